@@ -1,0 +1,47 @@
+"""Make MLX's CPU backend use OpenBLAS on Linux.
+
+The mlx-cpu wheel links a single-threaded reference BLAS that is ~10x slower for
+fp32 matmuls.  Loading OpenBLAS's ``libblas.so.3`` into the global symbol scope
+*before* ``mlx.core`` is first imported makes MLX resolve its BLAS calls to it.
+Importing mlx first makes this a no-op, which ``status()`` reports.
+"""
+
+import ctypes
+import os
+import platform
+import sys
+
+OPENBLAS_DIRS = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread",
+    "/usr/lib64/openblas-pthread",
+)
+DISABLE_ENV = "DFLASH_MLX_NO_OPENBLAS"
+
+_status = "not attempted"
+
+
+def load_openblas() -> str:
+    global _status
+    if platform.system() != "Linux":
+        _status = "not needed (not Linux)"
+    elif os.environ.get(DISABLE_ENV):
+        _status = f"disabled by {DISABLE_ENV}"
+    elif "mlx.core" in sys.modules:
+        _status = "not loaded: mlx was imported before dflash_mlx"
+    else:
+        _status = "not found (apt install libopenblas0-pthread for ~10x faster fp32)"
+        for folder in OPENBLAS_DIRS:
+            path = os.path.join(folder, "libblas.so.3")
+            if os.path.exists(path):
+                try:
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                    _status = f"OpenBLAS ({path})"
+                except OSError as e:
+                    _status = f"failed to load {path}: {e}"
+                break
+    return _status
+
+
+def status() -> str:
+    return _status

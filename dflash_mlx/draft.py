@@ -1,0 +1,415 @@
+"""The DFlash drafter (z-lab format): a few Qwen3-style layers that predict a
+whole block in one pass, attending to the target's fused hidden features.
+
+    features (target layers, concatenated) -> fc -> hidden_norm -> context
+    context  -> every layer's k_proj / v_proj -> cached keys/values (ContextKV)
+    block    = target.embed([last token, mask, ..., mask])
+    block    -> layers (queries: block; keys: context + block) -> norm -> target.lm_head
+
+The embedding and lm_head are the target's, borrowed at bind() time and never
+copied or saved.  Block keys/values are never cached, so the drafter has nothing
+to roll back: its cache only ever grows by committed positions.
+"""
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.models.qwen3 import MLP
+
+
+class DraftLoadError(ValueError):
+    """A drafter directory or drafter/target pairing that cannot work."""
+
+
+@dataclass
+class DraftArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    num_target_layers: Optional[int] = None
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
+    input_embedding_scale: float = 1.0
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.layer_types = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DraftLoadError(
+                f"drafter config: {len(self.layer_types)} layer_types for {self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise DraftLoadError(f"drafter config: unsupported layer_types {sorted(unknown)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise DraftLoadError("drafter config: sliding_attention layers need sliding_window")
+        if self.block_size < 2:
+            raise DraftLoadError(f"drafter config: block_size must be >= 2, got {self.block_size}")
+
+    @classmethod
+    def from_config(cls, config: dict) -> "DraftArgs":
+        dflash = config.get("dflash_config") or {}
+        merged = {**config, **{k: v for k, v in dflash.items() if v is not None}}
+        missing = [k for k in ("target_layer_ids", "mask_token_id") if k not in merged]
+        if missing:
+            raise DraftLoadError(f"drafter config.json lacks dflash_config.{missing[0]}: not a DFlash drafter")
+        if "rope_theta" not in merged and isinstance(merged.get("rope_parameters"), dict):
+            merged["rope_theta"] = merged["rope_parameters"].get("rope_theta", 1000000.0)
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in merged.items() if k in names})
+        except TypeError as e:
+            raise DraftLoadError(f"drafter config.json is incomplete: {e}") from None
+
+    def to_config(self) -> dict:
+        """config.json in the z-lab schema (also read by SGLang / vLLM)."""
+        config = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "layer_types": self.layer_types,
+            "sliding_window": self.sliding_window,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+        }
+        return config
+
+
+class ContextKV:
+    """Keys/values of the injected context, in temporal order, preallocated in
+    steps so appending a few positions per cycle does not copy the whole
+    context.  With a window, entries older than the window are dropped when
+    the buffer is regrown."""
+
+    step = 256
+
+    def __init__(self, window: Optional[int] = None):
+        self.window = window
+        self.keys = self.values = None
+        self.offset = 0  # positions appended so far
+        self._start = 0  # buffer index of the oldest kept entry
+        self._end = 0
+
+    def append(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        if self.keys is None or self._end + n > self.keys.shape[2]:
+            self._regrow(keys, values, n)
+        self.keys[..., self._end : self._end + n, :] = keys
+        self.values[..., self._end : self._end + n, :] = values
+        self._end += n
+        self.offset += n
+
+    def _regrow(self, keys, values, n):
+        kept_k = kept_v = None
+        if self.keys is not None:
+            start = self._start
+            if self.window is not None:
+                start = max(start, self._end - self.window)
+            kept_k = self.keys[..., start : self._end, :]
+            kept_v = self.values[..., start : self._end, :]
+        kept = 0 if kept_k is None else kept_k.shape[2]
+        capacity = ((kept + n + self.step - 1) // self.step + 1) * self.step
+        B, H, _, D = keys.shape
+        new_k = mx.zeros((B, H, capacity, D), keys.dtype)
+        new_v = mx.zeros((B, H, capacity, values.shape[3]), values.dtype)
+        if kept:
+            new_k[..., :kept, :] = kept_k
+            new_v[..., :kept, :] = kept_v
+        self.keys, self.values = new_k, new_v
+        self._start, self._end = 0, kept
+
+    def fetch(self) -> tuple[mx.array, mx.array, int]:
+        """(keys, values, position of the first returned entry)."""
+        start = self._start
+        if self.window is not None:
+            start = max(start, self._end - self.window)
+        if self.keys is None:
+            return None, None, self.offset
+        return (
+            self.keys[..., start : self._end, :],
+            self.values[..., start : self._end, :],
+            self.offset - (self._end - start),
+        )
+
+    @property
+    def state(self):
+        keys, values, _ = self.fetch()
+        return keys, values
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, args: DraftArgs, layer_type: str):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        sliding = layer_type == "sliding_attention"
+        self.window = args.sliding_window if sliding else None
+        # z-lab's reference: sliding layers are causal inside the block unless the config says otherwise
+        self.causal = sliding if args.is_causal is None else bool(args.is_causal)
+        dim, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            self.head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
+        )
+
+    def _keys_values(self, x: mx.array, position: int):
+        B, L, _ = x.shape
+        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(keys, offset=position), values
+
+    def add_context(self, context: mx.array, cache: ContextKV):
+        keys, values = self._keys_values(context, cache.offset)
+        cache.append(keys, values)
+
+    def __call__(self, x: mx.array, cache: ContextKV) -> mx.array:
+        B, L, _ = x.shape
+        position = cache.offset  # the block starts right after the context
+        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=position)
+        keys, values = self._keys_values(x, position)
+        ctx_keys, ctx_values, first = cache.fetch()
+        if ctx_keys is not None:
+            keys = mx.concatenate([ctx_keys, keys], axis=2)
+            values = mx.concatenate([ctx_values, values], axis=2)
+        mask = self._mask(L, first, position)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _mask(self, L: int, first: int, position: int) -> Optional[mx.array]:
+        if not self.causal and self.window is None:
+            return None
+        query = position + mx.arange(L)[:, None]
+        key = first + mx.arange(position - first + L)[None]
+        visible = mx.ones((L, key.shape[1]), dtype=mx.bool_)
+        if self.causal:
+            visible = visible & (key <= query)
+        if self.window is not None:
+            visible = visible & (query - key < self.window) & (key - query < self.window)
+        return visible
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, args: DraftArgs, layer_type: str):
+        super().__init__()
+        self.self_attn = DraftAttention(args, layer_type)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: ContextKV) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, args: DraftArgs):
+        super().__init__()
+        self.args = args
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DraftLayer(args, t) for t in args.layer_types]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self._target = None  # a plain object, so its weights are not our parameters
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Activation dtype: the norms' (never a quantized weight's storage type)."""
+        return self.norm.weight.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.args.target_layer_ids)
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.args.mask_token_id
+
+    def bind(self, target) -> "DFlashDraftModel":
+        """Borrow `target`'s embedding and lm_head after checking the pair fits."""
+        check_pair(self.args, target)
+        self._target = target
+        return self
+
+    def make_cache(self) -> list[ContextKV]:
+        return [ContextKV(layer.self_attn.window) for layer in self.layers]
+
+    def add_context(self, features: mx.array, cache: list[ContextKV]):
+        """Inject target features (1, S, n_layers * hidden) of the next S positions."""
+        context = self.hidden_norm(self.fc(features.astype(self.dtype)))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.add_context(context, c)
+
+    def hidden(self, block: mx.array, cache: list[ContextKV]) -> mx.array:
+        """Final-normed hidden states of the block's masked positions (1, L-1, hidden)."""
+        h = self._target.embed_tokens(block).astype(self.dtype)
+        if self.args.input_embedding_scale != 1.0:
+            h = h * self.args.input_embedding_scale
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
+        return self.norm(h[:, 1:])
+
+    def __call__(self, block: mx.array, cache: list[ContextKV]) -> mx.array:
+        """Logits for the block's positions 1..L-1 given block = [last token, mask...]."""
+        return self._target.lm_head(self.hidden(block, cache))
+
+    def sanitize(self, weights: dict) -> dict:
+        out = {}
+        for name, value in weights.items():
+            name = name.removeprefix("model.")
+            if name.startswith(("embed_tokens.", "lm_head.")):
+                continue  # borrowed from the target
+            if "rotary_emb" in name:
+                continue
+            out[name] = value
+        return out
+
+
+def check_pair(args: DraftArgs, target) -> None:
+    if args.hidden_size != target.hidden_size:
+        raise DraftLoadError(
+            f"drafter hidden_size {args.hidden_size} != target hidden_size {target.hidden_size}: "
+            "this drafter was trained for another target"
+        )
+    if args.vocab_size != target.vocab_size:
+        raise DraftLoadError(
+            f"drafter vocab_size {args.vocab_size} != target vocab_size {target.vocab_size}: "
+            "this drafter was trained for another target"
+        )
+    bad = [i for i in args.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise DraftLoadError(
+            f"drafter target_layer_ids {bad} out of range for a {target.num_layers}-layer target: "
+            "this drafter was trained for another target"
+        )
+    if args.num_target_layers is not None and args.num_target_layers != target.num_layers:
+        raise DraftLoadError(
+            f"drafter expects a {args.num_target_layers}-layer target, this target has "
+            f"{target.num_layers}: this drafter was trained for another target"
+        )
+    if not 0 <= args.mask_token_id < target.vocab_size:
+        raise DraftLoadError(f"drafter mask_token_id {args.mask_token_id} is outside the target vocabulary")
+
+
+def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraftModel:
+    """Load a drafter directory (z-lab format: config.json + *.safetensors)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise DraftLoadError(f"{path} is not a DFlash drafter directory: no config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftLoadError(f"{config_file} is not valid JSON ({e}); re-download the drafter") from None
+    architectures = config.get("architectures") or ["DFlashDraftModel"]
+    if architectures[0] != "DFlashDraftModel":
+        raise DraftLoadError(
+            f"{path}: drafter architecture {architectures[0]!r} is not supported (only DFlashDraftModel)"
+        )
+    args = DraftArgs.from_config(config)
+    model = DFlashDraftModel(args)
+
+    weights = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DraftLoadError(f"{path} has no *.safetensors weights")
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises bare RuntimeError/ValueError on corrupt files
+            raise DraftLoadError(f"{f} is corrupt or unreadable ({e}); re-download or re-convert it") from None
+    weights = model.sanitize(weights)
+
+    if quantization := config.get("quantization"):
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    _load_weights_checked(model, weights, path)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def _load_weights_checked(model: nn.Module, weights: dict[str, Any], path: Path) -> None:
+    from mlx.utils import tree_flatten
+
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise DraftLoadError(f"{path}: drafter weights missing {', '.join(missing[:3])}{more}")
+    if unexpected:
+        more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise DraftLoadError(f"{path}: unexpected drafter weights {', '.join(unexpected[:3])}{more}")
+    for name, value in weights.items():
+        if value.shape != expected[name].shape:
+            raise DraftLoadError(
+                f"{path}: weight {name} has shape {tuple(value.shape)}, config implies "
+                f"{tuple(expected[name].shape)}"
+            )
+    model.load_weights(list(weights.items()))
+
+
+def save_draft(model: DFlashDraftModel, path: str | Path) -> Path:
+    """Write `model` as a z-lab drafter directory (config.json + model.safetensors)."""
+    from mlx.utils import tree_flatten
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.args.to_config(), indent=2) + "\n")
+    weights = dict(tree_flatten(model.parameters()))
+    # "pt" is what transformers / SGLang / vLLM expect in the safetensors header
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    return path

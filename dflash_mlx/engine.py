@@ -1,0 +1,148 @@
+"""The DFlash decode loop, at the token level.
+
+    prefill  the prompt through the target, injecting its features into the drafter
+    repeat:
+      draft     [last token, mask x (w-1)] -> w-1 tokens, one drafter pass
+      verify    [last token] + draft       -> logits + features, one target pass
+      accept    longest agreeing prefix (n tokens) + one token from the target
+      roll back target caches to the n+1 tokens kept; inject their features
+
+Without a drafter the same loop runs with w = 1: plain target decoding.
+"""
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .draft import DFlashDraftModel
+from .sampling import SamplingParams, accept, propose
+from .target import Target, TargetCache
+
+PREFILL_STEP = 512
+
+
+@dataclass
+class DFlashModel:
+    """A target with an optional drafter bound to it."""
+
+    target: Target
+    draft: Optional[DFlashDraftModel] = None
+    draft_note: str = ""  # why there is no drafter, when there is none
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return self.draft.target_layer_ids if self.draft else []
+
+
+@dataclass
+class DecodeStats:
+    """Tokens committed per cycle (accepted drafts + the target's own token)."""
+
+    block_size: int = 1
+    accepted_lengths: list[int] = field(default_factory=list)
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def cycles(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target verification (bonus token included)."""
+        return sum(self.accepted_lengths) / max(1, self.cycles)
+
+    @property
+    def histogram(self) -> list[int]:
+        """histogram[k-1] = number of cycles that committed k tokens, k = 1..block_size."""
+        counts = Counter(self.accepted_lengths)
+        return [counts.get(k, 0) for k in range(1, self.block_size + 1)]
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # committed this cycle, in order
+    accepted: int  # how many of them were draft tokens
+
+
+def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, dcache) -> mx.array:
+    """Run the prompt through the target in chunks; return the last position's logits."""
+    layers = model.feature_layers
+    for start in range(0, prompt.size, PREFILL_STEP):
+        chunk = prompt[None, start : start + PREFILL_STEP]
+        last = start + PREFILL_STEP >= prompt.size
+        logits, features = model.target(chunk, tcache, layers, logits_for_last_only=True)
+        if model.draft is not None:
+            model.draft.add_context(features, dcache)
+        mx.eval(logits, _arrays([c.state for c in tcache.layers]), _arrays([c.state for c in dcache or []]))
+        if not last:
+            mx.clear_cache()
+    return logits[0, -1:]
+
+
+def _arrays(tree) -> list[mx.array]:
+    return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
+
+
+def draft(model: DFlashModel, last: mx.array, dcache, width: int, params: SamplingParams):
+    """Propose width-1 tokens after `last` in one drafter pass."""
+    if width == 1:
+        return mx.zeros((0,), dtype=mx.int32), None
+    mask = mx.full((width - 1,), model.draft.mask_token_id, dtype=mx.int32)
+    block = mx.concatenate([last.reshape(1).astype(mx.int32), mask])[None]
+    return propose(model.draft(block, dcache)[0], params)
+
+
+def verify(model: DFlashModel, last: mx.array, proposal: mx.array, tcache: TargetCache):
+    """Target logits and features at [last] + proposal, with the caches checkpointed."""
+    tokens = mx.concatenate([last.reshape(1).astype(mx.int32), proposal.astype(mx.int32)])[None]
+    tcache.checkpoint()
+    logits, features = model.target(tokens, tcache, model.feature_layers)
+    return logits[0], features
+
+
+def decode(
+    model: DFlashModel,
+    prompt: mx.array,
+    params: SamplingParams,
+    max_tokens: int,
+    block_size: Optional[int] = None,
+    stats: Optional[DecodeStats] = None,
+) -> Iterator[Step]:
+    """Yield committed tokens cycle by cycle until `max_tokens` are out (the
+    caller stops earlier on EOS or stop strings by closing the generator)."""
+    width = 1 if model.draft is None else (block_size or model.draft.block_size)
+    stats = stats if stats is not None else DecodeStats()
+    stats.block_size = width
+    tcache = model.target.make_cache()
+    dcache = model.draft.make_cache() if model.draft is not None else None
+
+    tic = time.perf_counter()
+    last_logits = prefill(model, prompt, tcache, dcache)
+    _, token = accept(mx.zeros((0,), dtype=mx.int32), last_logits, None, params)
+    token = mx.array(token.item())
+    stats.prompt_seconds = time.perf_counter() - tic
+    tic = time.perf_counter()
+    yield Step([token.item()], 0)
+    produced = 1
+
+    while produced < max_tokens:
+        w = min(width, max_tokens - produced)
+        proposal, q = draft(model, token, dcache, w, params)
+        logits, features = verify(model, token, proposal, tcache)
+        n, next_token = accept(proposal, logits, q, params)
+        mx.eval(n, next_token, proposal)
+        n = n.item()
+        tcache.rollback(n + 1)
+        if model.draft is not None:
+            model.draft.add_context(features[:, : n + 1], dcache)
+        committed = proposal[:n].tolist() + [next_token.item()]
+        token = next_token
+        produced += len(committed)
+        stats.accepted_lengths.append(len(committed))
+        stats.decode_seconds = time.perf_counter() - tic
+        yield Step(committed, n)

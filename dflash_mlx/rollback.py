@@ -1,0 +1,98 @@
+"""Roll a target cache back to a prefix of the block it just verified.
+
+One small class per cache kind, all with the same two calls:
+
+    checkpoint()   before the verify pass
+    rollback(keep) after it: keep only the first `keep` tokens fed since
+
+so the decode loop never asks what kind of layer it is talking to.
+"""
+
+from typing import Any
+
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from .gated_delta import Tape
+
+
+class TrimmableKV:
+    """Full-attention KV cache: dropping the tail is an offset change."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self._start = 0
+
+    def checkpoint(self):
+        self._start = self.cache.offset
+
+    def rollback(self, keep: int):
+        self.cache.trim(self.cache.offset - (self._start + keep))
+
+
+class RotatingKV:
+    """Sliding-window KV cache.
+
+    A multi-token update leaves mlx-lm's RotatingKVCache in temporal order
+    (window-1 old entries followed by the block), so rolling back is slicing the
+    tail off; its own trim() assumes the ring layout and is only valid before
+    the window first fills.  A one-token verify (the only kind that writes the
+    ring in place) never has anything to drop.
+    """
+
+    def __init__(self, cache: RotatingKVCache):
+        self.cache = cache
+        self._start = 0
+
+    def checkpoint(self):
+        self._start = self.cache.offset
+
+    def rollback(self, keep: int):
+        drop = self.cache.offset - (self._start + keep)
+        if drop <= 0:
+            return
+        keys, values, offset, keep_first, max_size, _ = self.cache.state
+        keys, values = keys[..., :-drop, :], values[..., :-drop, :]
+        self.cache.state = (keys, values, offset - drop, keep_first, max_size, keys.shape[2])
+
+
+class GatedDeltaState:
+    """GatedDeltaNet conv + recurrent state: restore, then replay the accepted steps."""
+
+    def __init__(self, cache: ArraysCache, kernel_size: int):
+        self.cache = cache
+        self.kernel_size = kernel_size
+        self.tape: Tape | None = None
+        self._saved = (None, None)
+
+        self._armed = False
+
+    def checkpoint(self):
+        self._saved = (self.cache[0], self.cache[1])
+        self.tape, self._armed = None, True
+
+    def record(self, tape: Tape):
+        # Only a checkpointed (verify) pass keeps its tape: a prefill chunk's
+        # tape would pin its whole activations in memory for nothing.
+        if self._armed:
+            self.tape = tape
+
+    def rollback(self, keep: int):
+        if self.tape is None:
+            raise RuntimeError("GatedDeltaNet rollback needs the tape of a checkpointed pass")
+        if keep < self.tape.length:
+            self.cache[0], self.cache[1] = self.tape.replay(self._saved[1], keep, self.kernel_size)
+        self.tape, self._armed = None, False
+
+
+def checkpointed(cache: Any, layer: Any):
+    """Wrap one mlx-lm layer cache in the rollback protocol that fits it."""
+    if isinstance(cache, RotatingKVCache):
+        return RotatingKV(cache)
+    if isinstance(cache, KVCache):
+        return TrimmableKV(cache)
+    if isinstance(cache, ArraysCache) and hasattr(layer, "linear_attn"):
+        return GatedDeltaState(cache, layer.linear_attn.conv_kernel_size)
+    raise TypeError(
+        f"dflash-mlx cannot roll back a {type(cache).__name__} "
+        f"(layer {type(layer).__name__}); supported: KVCache, RotatingKVCache, GatedDeltaNet state"
+    )

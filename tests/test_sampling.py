@@ -1,0 +1,121 @@
+"""Speculative sampling leaves the target's distribution unchanged."""
+
+import itertools
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import sampling
+from dflash_mlx.engine import DFlashModel, decode
+from dflash_mlx.sampling import SamplingParams, probabilities
+from tiny_models import random_draft, tiny_target
+
+VOCAB = 6
+PROMPT = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target("llama", seed=5, vocab_size=VOCAB)
+    # a drafter whose proposals are plausible but wrong often: both paths run
+    return target, random_draft(target, seed=9, block_size=3)
+
+
+LENGTH = 4  # t0 from the prefill, then a cycle that drafts t1, t2 (block 3), then t3
+
+
+def exact_joint(target, params):
+    """P(t0..t3 | prompt) under plain sampling from the target."""
+    probs = {}
+    for prefix_len in range(LENGTH):
+        for prefix in itertools.product(range(VOCAB), repeat=prefix_len):
+            logits = target.model(mx.array([PROMPT + list(prefix)]))[0, -1]
+            probs[prefix] = np.array(probabilities(logits, params))
+    joint = np.zeros((VOCAB,) * LENGTH)
+    for tokens in itertools.product(range(VOCAB), repeat=LENGTH):
+        joint[tokens] = math.prod(probs[tokens[:i]][t] for i, t in enumerate(tokens))
+    return joint
+
+
+def sample_joint(model, params, n, seed):
+    mx.random.seed(seed)
+    counts = np.zeros((VOCAB,) * LENGTH)
+    for _ in range(n):
+        tokens = [t for step in decode(model, mx.array(PROMPT), params, LENGTH) for t in step.tokens]
+        counts[tuple(tokens)] += 1
+    return counts
+
+
+def chi_square_p_value(counts, expected_probs, min_expected=5.0):
+    """Pearson chi-square over cells pooled so that each has >= min_expected counts."""
+    n = counts.sum()
+    order = np.argsort(expected_probs.ravel())
+    observed, expected = counts.ravel()[order], expected_probs.ravel()[order] * n
+    bins_o, bins_e, acc_o, acc_e = [], [], 0.0, 0.0
+    for o, e in zip(observed, expected):
+        acc_o, acc_e = acc_o + o, acc_e + e
+        if acc_e >= min_expected:
+            bins_o.append(acc_o), bins_e.append(acc_e)
+            acc_o = acc_e = 0.0
+    bins_o[-1] += acc_o
+    bins_e[-1] += acc_e
+    stat = sum((o - e) ** 2 / e for o, e in zip(bins_o, bins_e))
+    dof = len(bins_o) - 1
+    # Wilson-Hilferty: (X/k)^(1/3) is about normal
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9, top_k=4)],
+    ids=["temp1", "temp0.7-topp-topk"],
+)
+def test_dflash_samples_follow_the_target_distribution(pair, params):
+    target, draft = pair
+    joint = exact_joint(target, params)
+    counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0)
+    assert chi_square_p_value(counts, joint) > 1e-3
+
+
+def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
+    """Negative control: accepting every draft token must fail the same test."""
+    target, draft = pair
+    params = SamplingParams(temp=1.0)
+    joint = exact_joint(target, params)
+
+    def accept_everything(proposal, target_logits, q, params):
+        p = probabilities(target_logits, params)
+        return mx.array(proposal.size), mx.random.categorical(mx.log(p[-1]))
+
+    import dflash_mlx.engine as engine
+
+    monkeypatch.setattr(engine, "accept", accept_everything)
+    counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0)
+    assert chi_square_p_value(counts, joint) < 1e-6
+
+
+def test_seeded_runs_are_reproducible(pair):
+    target, draft = pair
+    params = SamplingParams(temp=1.0)
+    runs = []
+    for _ in range(2):
+        mx.random.seed(42)
+        runs.append([t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30)
+                     for t in step.tokens])
+    assert runs[0] == runs[1]
+
+
+def test_invalid_sampling_parameters_are_refused():
+    for bad in (dict(temp=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_greedy_accept_counts_the_agreeing_prefix():
+    logits = mx.eye(5)[mx.array([1, 2, 3, 4])] * 5  # target wants 1, 2, 3, 4
+    n, nxt = sampling.accept(mx.array([1, 2, 0]), logits, None, SamplingParams())
+    assert (n.item(), nxt.item()) == (2, 3)
+    n, nxt = sampling.accept(mx.array([1, 2, 3]), logits, None, SamplingParams())
+    assert (n.item(), nxt.item()) == (3, 4)
