@@ -10,7 +10,7 @@ from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import oracle_draft, random_draft, tiny_target
 
-MODEL_TYPES = ["llama", "qwen3", "qwen3_moe", "qwen3_5"]
+MODEL_TYPES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
 PROMPTS = [[1, 5, 9, 13, 2, 7, 40, 3], [60, 61, 62], list(range(20, 50))]
 MAX_TOKENS = 40
 

@@ -41,9 +41,15 @@ def tiny_target(model_type: str, seed: int = 0, **overrides) -> Target:
 
         config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
-    elif model_type == "qwen3_5":
-        from mlx_lm.models import qwen3_5 as module
+    elif model_type == "qwen2":
+        from mlx_lm.models import qwen2 as module
+    elif model_type in ("qwen3_5", "qwen3_5_moe"):
+        from mlx_lm.models import qwen3_5, qwen3_5_moe
 
+        module = qwen3_5 if model_type == "qwen3_5" else qwen3_5_moe
+        if model_type == "qwen3_5_moe":
+            config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32)
         config.update(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                       linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
                       rope_parameters={"type": "default", "rope_theta": 10000.0,
@@ -96,7 +102,8 @@ class OracleDraft(DFlashDraftModel):
             tokens.append((t + 1) % self.args.vocab_size if pos in self.wrong else t)
         # the real pass still runs, so the drafter's cache path is exercised
         mx.eval(super().__call__(block, cache))
-        return (mx.eye(self.args.vocab_size)[mx.array(tokens)] * 10.0)[None]
+        one_hot = mx.arange(self.args.vocab_size)[None] == mx.array(tokens)[:, None]
+        return (one_hot * 10.0)[None]
 
 
 def oracle_draft(target: Target, reference: list[int], wrong=frozenset(), **kwargs) -> OracleDraft:

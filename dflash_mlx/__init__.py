@@ -1,0 +1,24 @@
+"""dflash-mlx: DFlash block-diffusion speculative decoding on MLX."""
+
+from . import _blas
+
+_blas.load_openblas()  # must run before anything imports mlx.core
+
+from .api import GenerationResponse, format_prompt, generate, load, stream_generate  # noqa: E402
+from .draft import DFlashDraftModel, DraftArgs, load_draft  # noqa: E402
+from .engine import DecodeStats, DFlashModel  # noqa: E402
+from .target import Target  # noqa: E402
+
+__all__ = [
+    "load",
+    "generate",
+    "stream_generate",
+    "format_prompt",
+    "GenerationResponse",
+    "DFlashModel",
+    "DecodeStats",
+    "DFlashDraftModel",
+    "DraftArgs",
+    "load_draft",
+    "Target",
+]

@@ -1,0 +1,247 @@
+"""Public API: load a target (+ drafter), stream or return generated text."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .draft import load_draft
+from .engine import DecodeStats, DFlashModel, decode
+from .sampling import SamplingParams
+from .target import Target
+
+
+@dataclass
+class GenerationResponse:
+    """One decode cycle's output, in the spirit of mlx-lm's GenerationResponse."""
+
+    text: str  # new text segment (may be empty)
+    tokens: list[int]  # tokens committed this cycle
+    accepted: int  # how many of them were accepted draft tokens
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: Optional[str]  # None, "stop" or "length"
+    tau: float  # mean tokens committed per target pass so far
+    acceptance_histogram: list[int]  # [k-1] = cycles that committed k tokens
+    block_size: int
+
+
+def _fetch(repo_or_path: str, patterns: Sequence[str]) -> Path:
+    path = Path(repo_or_path).expanduser()
+    if path.exists():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_or_path, allow_patterns=list(patterns)))
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FileNotFoundError(
+            f"could not get {repo_or_path!r} from Hugging Face ({reason}); "
+            "check the name, your connection, or pass a local directory"
+        ) from None
+
+
+def load(
+    model: Optional[str] = None,
+    draft: Optional[str] = None,
+    *,
+    quant: Optional[int] = None,
+    use_draft: bool = True,
+) -> tuple[DFlashModel, TokenizerWrapper]:
+    """Load a target by short name, HF repo or local path, with its drafter.
+
+    `draft` overrides the drafter the registry pairs with `model`;
+    `use_draft=False` loads the target alone (plain decoding, same loop).
+    """
+    from . import registry  # pulls in the GGUF converter; not needed to decode
+
+    resolved = registry.resolve(model, draft, quant)
+    target_path = _fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
+    if not (target_path / "config.json").is_file():
+        raise FileNotFoundError(f"{target_path} is not a model directory: no config.json")
+    mlx_model, tokenizer = mlx_lm.load(str(target_path))
+    target = Target(mlx_model)
+
+    drafter, note = None, resolved.draft_note
+    if not use_draft:
+        note = "drafting disabled (--no-draft)"
+    elif resolved.draft:
+        draft_path = _fetch(resolved.draft, ["*.json", "*.safetensors"])
+        # fp16 activations overflow in drafters (zero acceptance seen in other ports)
+        dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
+        drafter = load_draft(draft_path, dtype=dtype).bind(target)
+    return DFlashModel(target, drafter, note), tokenizer
+
+
+def format_prompt(
+    tokenizer: TokenizerWrapper, prompt: str, system: Optional[str] = None, chat_template: bool = True
+) -> list[int]:
+    """Token ids for `prompt`, wrapped in the tokenizer's chat template if it has one."""
+    if chat_template and tokenizer.has_chat_template:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+class _StopText:
+    """Holds back just enough text that a stop string split across cycles is caught."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _context_limit(target: Target) -> Optional[int]:
+    owner = getattr(target.model, "language_model", target.model)
+    return getattr(getattr(owner, "args", None), "max_position_embeddings", None)
+
+
+def stream_generate(
+    model: DFlashModel,
+    tokenizer: TokenizerWrapper,
+    prompt: Union[str, list[int], mx.array],
+    max_tokens: int = 256,
+    *,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    block_size: Optional[int] = None,
+    stop: Sequence[str] = (),
+) -> Iterator[GenerationResponse]:
+    """Yield a GenerationResponse per decode cycle; the last has a finish_reason."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("the prompt is empty; give some text to continue")
+        prompt = tokenizer.encode(prompt)
+    prompt = mx.array(prompt, dtype=mx.int32).reshape(-1)
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty; give some text to continue")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block size must be >= 1, got {block_size}")
+    limit = _context_limit(model.target)
+    if limit and prompt.size + max_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt.size} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {limit} tokens; shorten the prompt or lower max_tokens"
+        )
+    params = SamplingParams(temp, top_p, top_k)
+    if seed is not None:
+        mx.random.seed(seed)
+
+    stats = DecodeStats()
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    stop_text = _StopText(stop)
+    eos = set(tokenizer.eos_token_ids)
+    generated = 0
+    mx.reset_peak_memory()
+
+    def response(text, tokens, accepted, finish):
+        gen_seconds = max(stats.decode_seconds, 1e-9)
+        return GenerationResponse(
+            text=text,
+            tokens=tokens,
+            accepted=accepted,
+            prompt_tokens=prompt.size,
+            prompt_tps=prompt.size / max(stats.prompt_seconds, 1e-9),
+            generation_tokens=generated,
+            # the first token comes from the prefill, the rest from decoding
+            generation_tps=max(generated - 1, 0) / gen_seconds,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            tau=stats.tau,
+            acceptance_histogram=stats.histogram,
+            block_size=stats.block_size,
+        )
+
+    steps = decode(model, prompt, params, max_tokens, block_size, stats)
+    finish = None
+    for step in steps:
+        tokens = step.tokens
+        for i, token in enumerate(tokens):
+            if token in eos:
+                tokens, finish = tokens[:i], "stop"
+                break
+        for token in tokens:
+            detokenizer.add_token(token)
+        generated += len(tokens)
+        text, hit_stop = stop_text.push(detokenizer.last_segment)
+        if hit_stop:
+            finish = "stop"
+        elif finish is None and generated >= max_tokens:
+            finish = "length"
+        if finish:
+            steps.close()
+            if not hit_stop:
+                detokenizer.finalize()
+                more, _ = stop_text.push(detokenizer.last_segment)
+                text += more + stop_text.flush()
+            yield response(text, tokens, min(step.accepted, len(tokens)), finish)
+            return
+        yield response(text, tokens, step.accepted, None)
+
+
+def generate(
+    model: DFlashModel,
+    tokenizer: TokenizerWrapper,
+    prompt: Union[str, list[int], mx.array],
+    max_tokens: int = 256,
+    verbose: bool = False,
+    **kwargs,
+) -> str:
+    """The generated text; with verbose=True, streams it and prints statistics."""
+    text = ""
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(format_stats(last, model))
+    return text
+
+
+def format_stats(r: GenerationResponse, model: DFlashModel) -> str:
+    lines = [
+        "=" * 10,
+        f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
+        f"Peak memory: {r.peak_memory:.3f} GB",
+    ]
+    if model.draft is not None:
+        hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(r.acceptance_histogram) if n)
+        lines.append(f"DFlash: block {r.block_size}, tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}")
+    else:
+        lines.append(f"DFlash: off ({model.draft_note or 'no drafter'}), plain target decoding")
+    return "\n".join(lines)

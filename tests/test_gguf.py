@@ -1,0 +1,84 @@
+"""GGUF import: GGUFs written like llama.cpp's converter come back as the same model."""
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from dflash_mlx.gguf import GGUFError, convert_gguf
+from gguf_fixtures import write_gguf
+
+TEXT = "Hello world! I have 12 apples.\n\ndef add(a, b): return a + b <|im_end|>"
+
+
+def logits(model, ids):
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+def relative_error(a, b):
+    return np.abs(a - b).mean() / np.abs(b).mean()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_float_gguf_round_trips_exactly(tmp_path, arch):
+    source, tok = write_gguf(tmp_path / "m.gguf", arch)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "mlx", show_progress=False)
+    model, tokenizer = mlx_lm.load(str(out))
+    ids = tok.encode(TEXT).ids
+    assert tokenizer.encode(TEXT, add_special_tokens=False) == ids
+    assert tokenizer.decode(ids) == TEXT
+    np.testing.assert_allclose(logits(model, ids), logits(source, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_chat_template_and_special_tokens_survive(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    _, tokenizer = mlx_lm.load(str(convert_gguf(tmp_path / "m.gguf", tmp_path / "mlx", show_progress=False)))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.encode("x<|im_end|>", add_special_tokens=False)[-1] == im_end
+    assert im_end in tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize("qtype, bits", [("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4)])
+def test_quantized_gguf_native_and_dequantized(tmp_path, qtype, bits):
+    source, tok = write_gguf(tmp_path / "m.gguf", "llama", qtype)
+    ids = tok.encode(TEXT).ids
+    native = convert_gguf(tmp_path / "m.gguf", tmp_path / "native", dtype="native", show_progress=False)
+    dense = convert_gguf(tmp_path / "m.gguf", tmp_path / "dense", dtype="float32", show_progress=False)
+    config = json.loads((native / "config.json").read_text())
+    assert config["quantization"]["bits"] == bits and config["quantization"]["group_size"] == 32
+    native_logits = logits(mlx_lm.load(str(native))[0], ids)
+    dense_logits = logits(mlx_lm.load(str(dense))[0], ids)
+    # the same quantized numbers, computed two ways (native activations are fp16, like its scales)
+    assert relative_error(native_logits, dense_logits) < 5e-3
+    # every weight dequantizes back close to the source (rows un-permuted, names mapped)
+    converted = dict(tree_flatten(mlx_lm.load(str(dense))[0].parameters()))
+    for name, w in tree_flatten(source.parameters()):
+        error = relative_error(np.array(converted[name]), np.array(w))
+        assert error < (0.01 if bits == 8 or w.ndim == 1 else 0.12), name
+
+
+def test_refuses_to_overwrite_and_leaves_nothing_behind(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError, match="--force"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "out", show_progress=False)
+    convert_gguf(tmp_path / "m.gguf", tmp_path / "out", force=True, show_progress=False)
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "out"]
+
+
+def test_bad_files_give_clear_errors(tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(GGUFError, match="cannot read"):
+        convert_gguf(tmp_path / "junk.gguf", tmp_path / "o1", show_progress=False)
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path / "o2", show_progress=False)
+    write_gguf(tmp_path / "m.gguf", "qwen3")
+    with pytest.raises(GGUFError, match="unknown dtype"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "o3", dtype="int3", show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.gguf", "m.gguf"]

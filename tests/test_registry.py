@@ -1,0 +1,46 @@
+"""Short names, repo ids and paths resolve to the right target/drafter pair."""
+
+import pytest
+
+from dflash_mlx import registry
+
+
+def test_short_names_map_to_published_pairs():
+    pair = registry.resolve("Qwen3.5-9B")
+    assert (pair.target, pair.draft) == ("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash")
+    assert registry.resolve("Qwen3.5-9B", quant=4).target == "mlx-community/Qwen3.5-9B-4bit"
+    assert registry.resolve("Qwen3-8B", quant=8).target == "mlx-community/Qwen3-8B-8bit"
+    assert registry.resolve("Llama-3.1-8B-Instruct").draft == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
+    assert registry.resolve("Qwen3-4B", draft="/my/drafter").draft == "/my/drafter"
+
+
+def test_unknown_names_and_paths_are_explained():
+    with pytest.raises(ValueError, match="Qwen3.5-9B.*Llama-3.1-8B-Instruct"):
+        registry.resolve("Qwen9-1B")
+    with pytest.raises(FileNotFoundError, match="no model directory at ./nowhere"):
+        registry.resolve("./nowhere")
+    with pytest.raises(ValueError, match="quant must be 4 or 8"):
+        registry.resolve("Qwen3-4B", quant=3)
+    with pytest.raises(ValueError, match="short names only"):
+        registry.resolve("someone/model", quant=4)
+
+
+def test_repo_ids_and_local_dirs_need_a_drafter(tmp_path):
+    pair = registry.resolve("someone/model")
+    assert pair.target == "someone/model" and pair.draft is None and "--draft" in pair.draft_note
+    pair = registry.resolve(str(tmp_path), draft="someone/drafter")
+    assert (pair.target, pair.draft) == (str(tmp_path), "someone/drafter")
+
+
+def test_default_model_says_when_it_has_no_drafter(monkeypatch, tmp_path, smollm2_dir):
+    monkeypatch.setattr(registry, "DEFAULT_DRAFT", tmp_path / "absent")
+    pair = registry.resolve(None)
+    assert pair.target == str(smollm2_dir) and pair.draft is None
+    assert "no trained drafter" in pair.draft_note
+    monkeypatch.setattr(registry, "DEFAULT_DRAFT", tmp_path)
+    assert registry.resolve(None).draft == str(tmp_path)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    assert registry.cache_dir() == tmp_path

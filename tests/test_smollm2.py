@@ -1,0 +1,92 @@
+"""The real SmolLM2-135M-Instruct target (offline default): DFlash greedy output
+equals plain mlx-lm greedy output, and the CLI runs on it."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from typer.testing import CliRunner
+
+from dflash_mlx import format_prompt
+from dflash_mlx.cli import app
+from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.target import Target
+from tiny_models import oracle_draft, random_draft
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "If I have 3 apples and buy 5 more, how many do I have?",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target(smollm2):
+    model, _ = smollm2
+    return Target(model)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    _, tokenizer = smollm2
+    return [format_prompt(tokenizer, q) for q in QUESTIONS]
+
+
+def plain(target, prompt, max_tokens=MAX_TOKENS):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=max_tokens)]
+
+
+def dflash(target, draft, prompt, max_tokens=MAX_TOKENS):
+    stats = DecodeStats()
+    out = [t for s in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens,
+                             stats=stats) for t in s.tokens]
+    return out, stats
+
+
+def test_real_model_is_lossless(target, prompts):
+    """Random drafter (nearly every draft rejected) and an oracle drafter that is
+    right except at chosen positions (full and partial acceptance)."""
+    rejecting = random_draft(target, layer_ids=(1, 10, 20, 28), block_size=4)
+    for prompt in prompts:
+        reference = plain(target, prompt, MAX_TOKENS + 16)
+        assert dflash(target, rejecting, prompt)[0] == reference[:MAX_TOKENS]
+        wrong = {len(prompt) + 5, len(prompt) + 6, len(prompt) + 15}
+        oracle = oracle_draft(target, prompt + reference, wrong=wrong, layer_ids=(1, 10, 20, 28), block_size=8)
+        out, stats = dflash(target, oracle, prompt)
+        assert out == reference[:MAX_TOKENS]
+        assert stats.tau > 2
+
+
+def test_answers_sensibly(smollm2, prompts, target):
+    _, tokenizer = smollm2
+    assert "Paris" in tokenizer.decode(plain(target, prompts[0]))
+
+
+runner = CliRunner()
+
+
+def test_cli_generates_on_the_default_model():
+    result = runner.invoke(app, ["generate", "--prompt", "What is the capital of France?", "--max-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.output
+    assert "Generation: 12 tokens" in result.output or "Generation:" in result.output
+    assert "tokens-per-sec" in result.output and "DFlash:" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be > 0"),
+        (["--prompt", "hi", "--model", "./no/such/dir"], "no/such/dir"),
+        (["--prompt", "hi", "--model", "Qwen9-Imaginary"], "Qwen3.5-9B"),
+        (["--prompt", "hi", "--draft", "./missing-drafter"], "missing-drafter"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_line(args, message):
+    result = runner.invoke(app, ["generate", *args])
+    assert result.exit_code != 0
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("error:")]) == 1
