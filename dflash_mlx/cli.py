@@ -9,6 +9,8 @@ from . import _blas
 from .draft import DraftLoadError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+train_app = typer.Typer(no_args_is_help=True, help="Train DFlash drafters: make-data, then fit.")
+app.add_typer(train_app, name="train")
 
 USER_ERRORS = (ValueError, FileNotFoundError, DraftLoadError, KeyError)
 
@@ -73,3 +75,66 @@ def generate(
         typer.echo(format_stats(last, pair))
     except USER_ERRORS as e:
         fail(str(e).strip("'\""))
+
+
+@train_app.command("make-data")
+def make_data(
+    out: str = typer.Option(..., "--out", "-o", help="Data directory (resumes if it exists)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
+    prompts: str = typer.Option("builtin", "--prompts", help="'builtin', a .txt (one per line) or .jsonl ({\"prompt\": ...}) file."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Longest response per prompt."),
+    budget: Optional[int] = typer.Option(None, "--budget", help="Stop after about this many response tokens."),
+    batch_size: int = typer.Option(64, "--batch-size", help="Prompts generated together (batched decoding)."),
+):
+    """Generate the target's own greedy responses (self-distillation data)."""
+    from .api import load
+    from .data import make_data as run
+    from .prompts import read_prompts
+
+    if max_tokens <= 0 or batch_size <= 0:
+        fail("--max-tokens and --batch-size must be > 0")
+    try:
+        texts = read_prompts(prompts)
+        pair, tokenizer = load(model, use_draft=False)
+        path = run(pair.target.model, tokenizer, texts, out, max_tokens, budget, batch_size)
+    except USER_ERRORS as e:
+        fail(str(e).strip("'\""))
+    typer.echo(f"data in {path}")
+
+
+@train_app.command("fit")
+def fit(
+    data: str = typer.Option(..., "--data", "-d", help="Data dir from `train make-data`."),
+    out: str = typer.Option(..., "--out", "-o", help="Drafter dir to write (resumes from its checkpoint)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
+    block_size: int = typer.Option(16, "--block-size"),
+    layers: int = typer.Option(1, "--layers", help="Drafter layers."),
+    target_layers: int = typer.Option(5, "--target-layers", help="How many target layers feed the drafter."),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated; default: stratified."),
+    gamma: float = typer.Option(4.0, "--gamma", help="Loss weight decay along the block."),
+    epochs: int = typer.Option(10, "--epochs"),
+    lr: float = typer.Option(1e-3, "--lr"),
+    sequences_per_step: int = typer.Option(8, "--sequences-per-step"),
+    eval_every: int = typer.Option(0, "--eval-every", help="Steps between held-out tau checks (0: end only)."),
+    no_init_from_target: bool = typer.Option(False, "--no-init-from-target"),
+    fresh: bool = typer.Option(False, "--fresh", help="Ignore an existing checkpoint."),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Train a drafter on self-distillation data (the target stays frozen)."""
+    from .api import load
+    from .data import read_data, target_fingerprint
+    from .registry import cache_dir
+    from .train import TrainConfig, fit as run
+
+    try:
+        ids = [int(i) for i in target_layer_ids.split(",")] if target_layer_ids else None
+        cfg = TrainConfig(block_size=block_size, num_layers=layers, num_target_layers=len(ids) if ids else target_layers,
+                          target_layer_ids=ids, gamma=gamma, epochs=epochs, lr=lr,
+                          sequences_per_step=sequences_per_step, eval_every=eval_every,
+                          init_from_target=not no_init_from_target, seed=seed)
+        pair, tokenizer = load(model, use_draft=False)
+        examples = read_data(data, target_fingerprint(pair.target, tokenizer))
+        run(pair.target, tokenizer, examples, out, cfg, resume=not fresh, feature_cache_dir=cache_dir() / "features")
+    except USER_ERRORS as e:
+        fail(str(e).strip("'\""))
+    typer.echo(f"drafter in {out}")

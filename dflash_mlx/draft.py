@@ -171,6 +171,18 @@ class ContextKV:
         keys, values, _ = self.fetch()
         return keys, values
 
+    # the attention-context protocol DraftAttention reads
+    @property
+    def position(self) -> int:
+        return self.offset  # the block starts right after the context
+
+    def keys_values(self, attn: "DraftAttention"):
+        keys, values, _ = self.fetch()
+        return keys, values
+
+    def mask(self, attn: "DraftAttention", L: int) -> Optional[mx.array]:
+        return attn.window_mask(L, self.fetch()[2], self.offset)
+
 
 class DraftAttention(nn.Module):
     def __init__(self, args: DraftArgs, layer_type: str):
@@ -194,31 +206,42 @@ class DraftAttention(nn.Module):
             self.head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
         )
 
-    def _keys_values(self, x: mx.array, position: int):
+    def _rope(self, x: mx.array, position) -> mx.array:
+        """RoPE at `position`: an int offset for consecutive tokens, or an array with
+        one position per token (packed training blocks)."""
+        if isinstance(position, int):
+            return self.rope(x, offset=position)
+        return self.rope(x.swapaxes(0, 2), offset=position).swapaxes(0, 2)
+
+    def keys_values(self, x: mx.array, position) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
         keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.rope(keys, offset=position), values
+        return self._rope(keys, position), values
 
-    def add_context(self, context: mx.array, cache: ContextKV):
-        keys, values = self._keys_values(context, cache.offset)
-        cache.append(keys, values)
+    def add_context(self, context: mx.array, cache: "ContextKV"):
+        cache.append(*self.keys_values(context, cache.offset))
 
-    def __call__(self, x: mx.array, cache: ContextKV) -> mx.array:
+    def __call__(self, x: mx.array, context) -> mx.array:
+        """Block queries attend to the injected context and to the whole block.
+
+        `context` is a ContextKV (decoding) or a packed training context; both
+        give the block's position(s), the context keys/values and the mask."""
         B, L, _ = x.shape
-        position = cache.offset  # the block starts right after the context
+        position = context.position
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        queries = self.rope(queries, offset=position)
-        keys, values = self._keys_values(x, position)
-        ctx_keys, ctx_values, first = cache.fetch()
+        queries = self._rope(queries, position)
+        keys, values = self.keys_values(x, position)
+        ctx_keys, ctx_values = context.keys_values(self)
         if ctx_keys is not None:
             keys = mx.concatenate([ctx_keys, keys], axis=2)
             values = mx.concatenate([ctx_values, values], axis=2)
-        mask = self._mask(L, first, position)
+        mask = context.mask(self, L)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def _mask(self, L: int, first: int, position: int) -> Optional[mx.array]:
+    def window_mask(self, L: int, first: int, position: int) -> Optional[mx.array]:
+        """Causal / sliding-window visibility of [context from `first`, block] for decoding."""
         if not self.causal and self.window is None:
             return None
         query = position + mx.arange(L)[:, None]
@@ -239,8 +262,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: ContextKV) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, context) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), context)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -280,24 +303,28 @@ class DFlashDraftModel(nn.Module):
     def make_cache(self) -> list[ContextKV]:
         return [ContextKV(layer.self_attn.window) for layer in self.layers]
 
+    def context(self, features: mx.array) -> mx.array:
+        """Fused target features (.., n_layers * hidden) -> context vectors (.., hidden)."""
+        return self.hidden_norm(self.fc(features.astype(self.dtype)))
+
     def add_context(self, features: mx.array, cache: list[ContextKV]):
         """Inject target features (1, S, n_layers * hidden) of the next S positions."""
-        context = self.hidden_norm(self.fc(features.astype(self.dtype)))
+        context = self.context(features)
         for layer, c in zip(self.layers, cache):
             layer.self_attn.add_context(context, c)
 
-    def hidden(self, block: mx.array, cache: list[ContextKV]) -> mx.array:
-        """Final-normed hidden states of the block's masked positions (1, L-1, hidden)."""
+    def run_layers(self, block: mx.array, contexts: list) -> mx.array:
+        """Final-normed hidden states of every block position (1, L, hidden)."""
         h = self._target.embed_tokens(block).astype(self.dtype)
         if self.args.input_embedding_scale != 1.0:
             h = h * self.args.input_embedding_scale
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm(h[:, 1:])
+        for layer, context in zip(self.layers, contexts):
+            h = layer(h, context)
+        return self.norm(h)
 
     def __call__(self, block: mx.array, cache: list[ContextKV]) -> mx.array:
         """Logits for the block's positions 1..L-1 given block = [last token, mask...]."""
-        return self._target.lm_head(self.hidden(block, cache))
+        return self._target.lm_head(self.run_layers(block, cache)[:, 1:])
 
     def sanitize(self, weights: dict) -> dict:
         out = {}
