@@ -8,7 +8,9 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .adaptive import WidthChooser, cached_costs, measure_costs
 from .draft import load_draft
+from .progress import console
 from .engine import DecodeStats, DFlashModel, decode
 from .sampling import SamplingParams
 from .target import Target
@@ -30,6 +32,7 @@ class GenerationResponse:
     tau: float  # mean tokens committed per target pass so far
     acceptance_histogram: list[int]  # [k-1] = cycles that committed k tokens
     block_size: int
+    widths: list[int]  # verify width of each cycle so far (1 = plain decoding)
 
 
 def _fetch(repo_or_path: str, patterns: Sequence[str]) -> Path:
@@ -54,11 +57,14 @@ def load(
     *,
     quant: Optional[int] = None,
     use_draft: bool = True,
+    adaptive: bool = True,
 ) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a target by short name, HF repo or local path, with its drafter.
 
     `draft` overrides the drafter the registry pairs with `model`;
-    `use_draft=False` loads the target alone (plain decoding, same loop).
+    `use_draft=False` loads the target alone (plain decoding, same loop);
+    `adaptive` picks the verify width per cycle from this machine's measured
+    cost curve (measured once per model and machine, then cached).
     """
     from . import registry  # pulls in the GGUF converter; not needed to decode
 
@@ -77,7 +83,16 @@ def load(
         # fp16 activations overflow in drafters (zero acceptance seen in other ports)
         dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
         drafter = load_draft(draft_path, dtype=dtype).bind(target)
-    return DFlashModel(target, drafter, note), tokenizer
+    chooser = None
+    if drafter is not None and adaptive:
+        key = f"{target_path.name}-{target.dtype}-{Path(resolved.draft).name}"
+        def measure():
+            console.print("Measuring this machine's verify cost for the adaptive block size (once)", style="dim")
+            return measure_costs(target, drafter)
+
+        cost = cached_costs(key, measure, registry.cache_dir())
+        chooser = WidthChooser(cost, drafter.block_size)
+    return DFlashModel(target, drafter, note, chooser), tokenizer
 
 
 def format_prompt(
@@ -182,6 +197,7 @@ def stream_generate(
             tau=stats.tau,
             acceptance_histogram=stats.histogram,
             block_size=stats.block_size,
+            widths=list(stats.widths),
         )
 
     steps = decode(model, prompt, params, max_tokens, block_size, stats)
@@ -242,6 +258,10 @@ def format_stats(r: GenerationResponse, model: DFlashModel) -> str:
     if model.draft is not None:
         hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(r.acceptance_histogram) if n)
         lines.append(f"DFlash: block {r.block_size}, tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}")
+        if len(set(r.widths)) > 1 or (r.widths and r.widths[0] != r.block_size):
+            plain = sum(w == 1 for w in r.widths)
+            lines.append(f"Adaptive width: mean {sum(r.widths) / len(r.widths):.1f}; plain decoding in "
+                         f"{plain}/{len(r.widths)} cycles (predicted faster than drafting there)")
     else:
         lines.append(f"DFlash: off ({model.draft_note or 'no drafter'}), plain target decoding")
     return "\n".join(lines)

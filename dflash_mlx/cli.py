@@ -36,10 +36,11 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Verify width (default: the drafter's block size)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Fixed verify width (default: adaptive, up to the drafter's block size)."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed the prompt raw."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain target decoding through the same loop."),
+    no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks (default: pick the width per cycle)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print what was loaded and the formatted prompt."),
 ):
@@ -55,7 +56,7 @@ def generate(
     if quant not in (None, 4, 8):
         fail(f"--quant must be 4 or 8, got {quant}")
     try:
-        pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft)
+        pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive)
         if pair.draft is None and not no_draft:
             typer.secho(f"note: {pair.draft_note}; running plain target decoding", err=True, fg=typer.colors.YELLOW)
         if verbose:
@@ -123,6 +124,7 @@ def fit(
     """Train a drafter on self-distillation data (the target stays frozen)."""
     from .api import load
     from .data import read_data, target_fingerprint
+    from .progress import console
     from .registry import cache_dir
     from .train import TrainConfig, fit as run
 
@@ -134,7 +136,8 @@ def fit(
                           init_from_target=not no_init_from_target, seed=seed)
         pair, tokenizer = load(model, use_draft=False)
         examples = read_data(data, target_fingerprint(pair.target, tokenizer))
-        run(pair.target, tokenizer, examples, out, cfg, resume=not fresh, feature_cache_dir=cache_dir() / "features")
+        run(pair.target, tokenizer, examples, out, cfg, resume=not fresh, feature_cache_dir=cache_dir() / "features",
+            log=console.print)
     except USER_ERRORS as e:
         fail(str(e).strip("'\""))
     typer.echo(f"drafter in {out}")

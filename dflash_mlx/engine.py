@@ -7,7 +7,8 @@
       accept    longest agreeing prefix (n tokens) + one token from the target
       roll back target caches to the n+1 tokens kept; inject their features
 
-Without a drafter the same loop runs with w = 1: plain target decoding.
+Without a drafter the same loop runs with w = 1: plain target decoding.  With a
+WidthChooser (adaptive.py) and no fixed block size, w is chosen every cycle.
 """
 
 import time
@@ -18,6 +19,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .adaptive import WidthChooser
 from .draft import DFlashDraftModel
 from .sampling import SamplingParams, accept, propose
 from .target import Target, TargetCache
@@ -32,6 +34,7 @@ class DFlashModel:
     target: Target
     draft: Optional[DFlashDraftModel] = None
     draft_note: str = ""  # why there is no drafter, when there is none
+    chooser: Optional[WidthChooser] = None  # adaptive verify width, kept across generations
 
     @property
     def feature_layers(self) -> list[int]:
@@ -44,6 +47,7 @@ class DecodeStats:
 
     block_size: int = 1
     accepted_lengths: list[int] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)  # verify width of each cycle (1 = plain)
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -55,6 +59,10 @@ class DecodeStats:
     def tau(self) -> float:
         """Mean tokens committed per target verification (bonus token included)."""
         return sum(self.accepted_lengths) / max(1, self.cycles)
+
+    @property
+    def plain_cycles(self) -> int:
+        return sum(w == 1 for w in self.widths)
 
     @property
     def histogram(self) -> list[int]:
@@ -115,6 +123,7 @@ def decode(
 ) -> Iterator[Step]:
     """Yield committed tokens cycle by cycle until `max_tokens` are out (the
     caller stops earlier on EOS or stop strings by closing the generator)."""
+    adaptive = model.draft is not None and block_size is None and model.chooser is not None
     width = 1 if model.draft is None else (block_size or model.draft.block_size)
     stats = stats if stats is not None else DecodeStats()
     stats.block_size = width
@@ -131,12 +140,15 @@ def decode(
     produced = 1
 
     while produced < max_tokens:
-        w = min(width, max_tokens - produced)
+        left = max_tokens - produced
+        w = model.chooser.choose(left) if adaptive else min(width, left)
         proposal, q = draft(model, token, dcache, w, params)
         logits, features = verify(model, token, proposal, tcache)
         n, next_token = accept(proposal, logits, q, params)
         mx.eval(n, next_token, proposal)
         n = n.item()
+        if adaptive:
+            model.chooser.observe(w, n)
         tcache.rollback(n + 1)
         if model.draft is not None:
             model.draft.add_context(features[:, : n + 1], dcache)
@@ -144,5 +156,6 @@ def decode(
         token = next_token
         produced += len(committed)
         stats.accepted_lengths.append(len(committed))
+        stats.widths.append(w)
         stats.decode_seconds = time.perf_counter() - tic
         yield Step(committed, n)

@@ -399,6 +399,8 @@ def fit(
                 state.history.append(record)
                 bar.update(task, advance=1, info=f"loss {record['loss']:.3f} acc {record['acc']:.3f} "
                                                  f"acc@1 {record['acc_pos1'] or 0:.3f} {record['predictions_per_s']:.0f} pred/s")
+                if state.step % 25 == 0:
+                    log(" ".join(f"{k} {v}" for k, v in record.items()))
                 if cfg.eval_every and state.step % cfg.eval_every == 0:
                     record["tau"] = _eval(target, draft, held_out, cfg)
                     log(f"step {state.step}: held-out tau {record['tau']:.2f}")
@@ -411,7 +413,12 @@ def fit(
     log(f"held-out tau {tau:.2f} (block {cfg.block_size}, {len(held_out)} prompts, greedy)")
     save_checkpoint(checkpoint, draft, optimizer, cfg, state)
     export(draft, out_dir)
-    (out_dir / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in state.history))
+    try:
+        from .plots import training_curve
+
+        training_curve(out_dir / "train_log.jsonl", out_dir / "train_curve.png")
+    except ImportError as e:
+        log(f"no training plot: {e}")
     return draft
 
 
@@ -427,6 +434,7 @@ def save_checkpoint(path: Path, draft, optimizer, cfg: TrainConfig, state: Train
     save_draft(draft, path / "drafter")
     mx.save_safetensors(str(path / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
     (path / "state.json").write_text(json.dumps({"config": asdict(cfg), "state": asdict(state)}))
+    (path.parent / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in state.history))
 
 
 def export(draft: DFlashDraftModel, out_dir: Path, dtype: mx.Dtype = mx.bfloat16) -> Path:

@@ -1,0 +1,172 @@
+"""Adaptive verify width: pick the block size that commits the most tokens per second.
+
+Verifying L tokens is not free when compute is the limit (on a CPU, or a big
+model on a small Mac): a 16-token target pass can cost several 1-token passes.
+With the measured cost curve T(L) of the target (plus one drafter pass) and an
+online estimate of how often the drafter's k-th token is accepted, each cycle
+uses the width L maximising
+
+    E[committed | L] / T(L),   E[committed | L] = 1 + sum_{k<L} prod_{j<=k} a_j
+
+L = 1 is plain decoding.  When it wins, the engine decodes plainly but still
+drafts now and then (`probe_every`) so the estimate can recover.
+"""
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class CostModel:
+    """Seconds for one target pass over L tokens (interpolated) and for one drafter pass."""
+
+    widths: list[int]
+    seconds: list[float]
+    draft_seconds: float
+
+    def verify(self, L: int) -> float:
+        for (w0, s0), (w1, s1) in zip(zip(self.widths, self.seconds), zip(self.widths[1:], self.seconds[1:])):
+            if w0 <= L <= w1:
+                return s0 + (s1 - s0) * (L - w0) / (w1 - w0)
+        if L <= self.widths[0]:
+            return self.seconds[0]
+        w0, w1, s0, s1 = self.widths[-2], self.widths[-1], self.seconds[-2], self.seconds[-1]
+        return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
+
+    def cycle(self, L: int) -> float:
+        return self.verify(L) + (self.draft_seconds if L > 1 else 0.0)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position conditional acceptance a_k = P(token k accepted | 1..k-1 accepted),
+    as exponentially decayed counts.  Each position's prior is the estimate of the
+    position before it, so positions not drafted lately inherit what was seen last
+    (the width can grow in one step when drafts are being fully accepted)."""
+
+    max_width: int
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = 0.98
+    trials: list = field(default_factory=list)
+    hits: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.trials = self.trials or [0.0] * self.max_width
+        self.hits = self.hits or [0.0] * self.max_width
+
+    def rates(self) -> list[float]:
+        rates, previous = [], self.prior
+        for t, h in zip(self.trials, self.hits):
+            previous = (h + previous * self.prior_weight) / (t + self.prior_weight)
+            rates.append(previous)
+        return rates
+
+    def observe(self, width: int, accepted: int) -> None:
+        """A cycle that drafted width-1 tokens and had `accepted` of them accepted."""
+        if width < 2:
+            return
+        self.trials = [t * self.decay for t in self.trials]
+        self.hits = [h * self.decay for h in self.hits]
+        for k in range(min(accepted + 1, width - 1)):  # positions actually tested
+            self.trials[k] += 1
+            self.hits[k] += k < accepted
+
+    def expected_committed(self, L: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.rates()[: L - 1]:
+            run *= a
+            total += run
+        return total
+
+
+class WidthChooser:
+    def __init__(self, cost: CostModel, max_width: int, probe_every: int = 16, prior: float = 0.5):
+        self.cost = cost
+        self.max_width = max_width
+        self.acceptance = AcceptanceEstimate(max_width, prior=prior)
+        self.probe_every = probe_every
+        self._plain_run = 0
+
+    def throughput(self, L: int) -> float:
+        return self.acceptance.expected_committed(L) / self.cost.cycle(L)
+
+    def best(self, limit: Optional[int] = None) -> int:
+        widths = range(1, min(self.max_width, limit or self.max_width) + 1)
+        return max(widths, key=self.throughput)
+
+    def choose(self, limit: Optional[int] = None) -> int:
+        """The width for the next cycle (1 = plain); `limit` caps it (tokens left)."""
+        width = self.best(limit)
+        if width == 1:
+            self._plain_run += 1
+            if self._plain_run >= self.probe_every:  # look again: the text may have become predictable
+                self._plain_run = 0
+                return max(2, min(self.max_width, limit or self.max_width, 4))
+        else:
+            self._plain_run = 0
+        return width
+
+    def observe(self, width: int, accepted: int) -> None:
+        self.acceptance.observe(width, accepted)
+
+
+# ---------------------------------------------------------------- measuring the cost curve
+
+
+def machine_key() -> str:
+    return f"{platform.system()}-{platform.machine()}-{platform.processor() or 'cpu'}-metal{int(mx.metal.is_available())}"
+
+
+def measure_costs(target, draft, context: int = 128, widths: Sequence[int] = PROBE_WIDTHS,
+                  repeats: int = 3) -> CostModel:
+    """Time target passes of width L on top of a `context`-token cache, and one drafter pass."""
+    widths = [w for w in widths if w <= max(draft.block_size, 2)] if draft is not None else [1]
+    tokens = mx.arange(context, dtype=mx.int32)[None] % target.vocab_size
+    layers = draft.target_layer_ids if draft is not None else []
+    cache = target.make_cache()
+    _, features = target(tokens, cache, layers, logits_for_last_only=True)
+    mx.eval(features)
+    seconds = []
+    for w in widths:
+        block = mx.zeros((1, w), dtype=mx.int32)
+        times = []
+        for _ in range(repeats + 1):
+            cache.checkpoint()
+            tic = time.perf_counter()
+            mx.eval(target(block, cache, layers))
+            times.append(time.perf_counter() - tic)
+            cache.rollback(0)
+        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+    draft_seconds = 0.0
+    if draft is not None:
+        dcache = draft.make_cache()
+        draft.add_context(features, dcache)
+        block = mx.full((1, draft.block_size), draft.mask_token_id, dtype=mx.int32)
+        times = []
+        for _ in range(repeats + 1):
+            tic = time.perf_counter()
+            mx.eval(draft(block, dcache))
+            times.append(time.perf_counter() - tic)
+        draft_seconds = sorted(times[1:])[len(times[1:]) // 2]
+    return CostModel(list(widths), seconds, draft_seconds)
+
+
+def cached_costs(key: str, measure, cache_root: Path) -> CostModel:
+    """The cost model stored for (`key`, this machine), measured and stored on first use."""
+    name = f"{key}-{machine_key()}".replace("/", "_").replace(" ", "_")
+    path = cache_root / "costs" / f"{name}.json"
+    if path.is_file():
+        return CostModel(**json.loads(path.read_text()))
+    cost = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cost.__dict__))
+    return cost

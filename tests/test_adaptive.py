@@ -1,0 +1,104 @@
+"""The adaptive verify width: picks the best block size from a cost curve and an
+acceptance profile, falls back to plain decoding when drafting cannot pay, and
+keeps decoding lossless."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.adaptive import AcceptanceEstimate, CostModel, WidthChooser, measure_costs
+from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.sampling import SamplingParams
+from tiny_models import oracle_draft, random_draft, tiny_target
+
+
+def chooser_with(rates, cost, max_width=16):
+    chooser = WidthChooser(cost, max_width)
+    # a long history with exactly these conditional acceptance rates
+    chooser.acceptance.trials = [1e6] * max_width
+    chooser.acceptance.hits = [r * 1e6 for r in rates]
+    return chooser
+
+
+def cpu_like(base=0.1, slope=0.11, draft=0.012):
+    widths = [1, 2, 4, 8, 16]
+    return CostModel(widths, [base * (1 + slope * (w - 1)) for w in widths], draft)
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel([1, 2, 4], [1.0, 2.0, 3.0], 0.5)
+    assert cost.verify(3) == pytest.approx(2.5)
+    assert cost.verify(6) == pytest.approx(4.0)
+    assert cost.cycle(1) == pytest.approx(1.0) and cost.cycle(2) == pytest.approx(2.5)
+
+
+def test_cheap_verification_and_good_drafts_use_the_whole_block():
+    flat = CostModel([1, 16], [0.1, 0.1], 0.01)
+    assert chooser_with([0.9] * 16, flat).choose() == 16
+
+
+def test_matches_brute_force_on_random_profiles():
+    rng = random.Random(0)
+    for _ in range(200):
+        rates = [rng.random() for _ in range(16)]
+        widths = [1, 2, 4, 8, 16]
+        seconds = sorted(rng.uniform(0.05, 1.0) for _ in widths)
+        cost = CostModel(widths, seconds, rng.uniform(0, 0.2))
+
+        def value(L):
+            expected, run = 1.0, 1.0
+            for a in rates[: L - 1]:
+                run *= a
+                expected += run
+            return expected / cost.cycle(L)
+
+        assert chooser_with(rates, cost).best() == max(range(1, 17), key=value)
+
+
+def test_falls_back_to_plain_decoding_and_probes_now_and_then():
+    chooser = chooser_with([0.05] * 16, cpu_like())
+    widths = [chooser.choose() for _ in range(32)]
+    assert widths.count(1) == 30 and all(w > 1 for w in widths if w != 1)
+    # a moderately good drafter on the same machine gets a middle width
+    assert 2 < chooser_with([0.7] * 16, cpu_like()).choose() < 16
+    # the number of tokens left caps the width
+    assert chooser_with([0.99] * 16, cpu_like()).choose(limit=3) == 3
+
+
+def test_acceptance_estimate_learns_conditional_rates():
+    true = [0.9, 0.8, 0.5, 0.3] + [0.2] * 4
+    estimate = AcceptanceEstimate(8, decay=0.999)
+    rng = random.Random(1)
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 7 and rng.random() < true[accepted]:
+            accepted += 1
+        estimate.observe(8, accepted)
+    for got, want in zip(estimate.rates()[:4], true[:4]):
+        assert got == pytest.approx(want, abs=0.05)
+
+
+def test_adaptive_decoding_is_lossless_and_adapts():
+    target = tiny_target("llama", seed=5)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=60)]
+    cost = cpu_like()
+    for drafter, wide in [(random_draft(target, block_size=16), False),
+                          (oracle_draft(target, prompt + reference + [0] * 16, block_size=16), True)]:
+        model = DFlashModel(target, drafter, chooser=WidthChooser(cost, 16))
+        stats = DecodeStats()
+        out = [t for s in decode(model, mx.array(prompt), SamplingParams(), 40, stats=stats) for t in s.tokens]
+        assert out == reference[:40]
+        if wide:
+            assert max(stats.widths) >= 8 and stats.tau > 4
+        else:
+            assert stats.plain_cycles > len(stats.widths) // 2
+
+
+def test_measure_costs_gives_a_rising_curve():
+    target = tiny_target("qwen3", seed=1, num_hidden_layers=2)
+    cost = measure_costs(target, random_draft(target, layer_ids=(0, 1), block_size=16), context=32, repeats=2)
+    assert cost.widths[0] == 1 and cost.widths[-1] == 16
+    assert all(s > 0 for s in cost.seconds) and cost.draft_seconds > 0
