@@ -141,3 +141,36 @@ def fit(
     except USER_ERRORS as e:
         fail(str(e).strip("'\""))
     typer.echo(f"drafter in {out}")
+
+
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: offline SmolLM2 + its drafter)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter repo or dir."),
+    sets: str = typer.Option("gsm8k,humaneval,mtbench,math500", "--sets", help="Comma-separated: gsm8k, humaneval, mtbench, math500, aime."),
+    prompts_per_set: int = typer.Option(10, "--prompts-per-set", "-n"),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    modes: str = typer.Option("greedy", "--modes", help="greedy, sampled, or both comma-separated."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Fixed width (default: adaptive)."),
+    no_adaptive: bool = typer.Option(False, "--no-adaptive"),
+    out: str = typer.Option("bench/results/latest", "--out", "-o", help="Where results.json/.md and plots go."),
+):
+    """Plain mlx-lm decoding vs DFlash on benchmark prompts, interleaved; JSON, markdown and plots."""
+    from .api import load
+    from .bench import run_bench
+
+    chosen_modes = [m.strip() for m in modes.split(",") if m.strip()]
+    if not chosen_modes or set(chosen_modes) - {"greedy", "sampled"}:
+        fail(f"--modes must be greedy and/or sampled, got {modes!r}")
+    if prompts_per_set <= 0 or max_tokens <= 0:
+        fail("--prompts-per-set and --max-tokens must be > 0")
+    try:
+        pair, tokenizer = load(model, draft, adaptive=not no_adaptive)
+        results = run_bench(pair, tokenizer, [s.strip() for s in sets.split(",")], prompts_per_set, max_tokens,
+                            chosen_modes, out, block_size, label=model or "SmolLM2-135M-Instruct")
+    except USER_ERRORS as e:
+        fail(str(e).strip("'\""))
+    from .bench import markdown
+
+    typer.echo(markdown(results))
+    typer.echo(f"results in {out}")

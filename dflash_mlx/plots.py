@@ -42,7 +42,53 @@ def training_curve(log_file, png, smooth: int = 20) -> Path:
         ax_tau.set_ylabel("tau (tokens / cycle)")
         ax_tau.legend(loc="lower right")
     ax_acc.legend(loc="upper left")
+    return _save(fig, Path(png))
+
+
+def bench_plots(results: dict, out_dir) -> list[Path]:
+    """speedup.png (per set and mode), acceptance.png (accepted-length histogram),
+    tps_vs_length.png (tok/s against output length, both decoders)."""
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    rows = [r for r in results["summary"] if r["set"] != "all"]
+    modes = sorted({r["mode"] for r in rows})
+    sets = list(dict.fromkeys(r["set"] for r in rows))
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(modes), 1)
+    for j, mode in enumerate(modes):
+        values = [next((r["speedup"] for r in rows if r["set"] == s and r["mode"] == mode), 0) for s in sets]
+        ax.bar([i + j * width for i in range(len(sets))], values, width, label=mode)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(sets))], sets)
+    ax.set(ylabel="speedup over plain mlx-lm (median)", title=results.get("label") or "DFlash speedup")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "speedup.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in modes:
+        total = next((r["histogram"] for r in results["summary"] if r["set"] == "all" and r["mode"] == mode), [])
+        if total and sum(total):
+            ax.plot(range(1, len(total) + 1), [n / sum(total) for n in total], "o-", label=mode)
+    ax.set(xlabel="tokens committed per cycle", ylabel="share of cycles", title="acceptance histogram (all sets)")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "acceptance.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for decoder, marker in (("plain", "x"), ("dflash", "o")):
+        runs = [r for r in results["runs"] if r["decoder"] == decoder]
+        ax.scatter([r["tokens"] for r in runs], [r["generation_tps"] for r in runs], marker=marker, label=decoder)
+    ax.set(xlabel="output tokens", ylabel="tokens / s", title="decode speed vs output length")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "tps_vs_length.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
-    return Path(png)
+    return path

@@ -56,7 +56,7 @@ def tiny_hf_model(arch: str, vocab_size: int, seed: int = 0):
     config = dict(
         model_type=arch, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope_theta=10000.0, vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=512,
+        rope_theta=10000.0, vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=4096,
     )
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))

@@ -1,0 +1,159 @@
+"""Benchmark: plain mlx-lm decoding vs DFlash on the same prompts, interleaved.
+
+For every prompt, after a warm-up, the baseline (mlx-lm's own stream_generate on
+the same weights) and DFlash run back to back, greedy and/or sampled.  Speedup is
+the ratio of time per output token; medians are reported per set and overall.
+"""
+
+import json
+import platform
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate as mlx_stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from .api import format_prompt, stream_generate
+from .benchmarks import load_prompts
+from .engine import DFlashModel
+from .progress import add_task, progress
+
+SAMPLED = {"temp": 0.7, "top_p": 0.95}
+
+
+@dataclass
+class Run:
+    set: str
+    prompt: int
+    decoder: str  # "plain" | "dflash"
+    mode: str  # "greedy" | "sampled"
+    tokens: int
+    generation_tps: float
+    prompt_tps: float
+    peak_memory_gb: float
+    tau: float = 1.0
+    histogram: list = field(default_factory=list)
+    plain_cycles: int = 0
+    cycles: int = 0
+
+
+def _plain(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed) -> Run:
+    mx.random.seed(seed)
+    sampler = make_sampler(**SAMPLED) if mode == "sampled" else None
+    mx.reset_peak_memory()
+    last = None
+    for last in mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
+        pass
+    return Run("", 0, "plain", mode, last.generation_tokens, last.generation_tps, last.prompt_tps,
+               mx.get_peak_memory() / 1e9)
+
+
+def _dflash(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed, block_size) -> Run:
+    options = dict(temp=SAMPLED["temp"], top_p=SAMPLED["top_p"]) if mode == "sampled" else {}
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens, seed=seed, block_size=block_size, **options):
+        pass
+    return Run("", 0, "dflash", mode, last.generation_tokens, last.generation_tps, last.prompt_tps,
+               last.peak_memory, last.tau, last.acceptance_histogram, sum(w == 1 for w in last.widths),
+               len(last.widths))
+
+
+def run_bench(
+    model: DFlashModel,
+    tokenizer,
+    sets: list[str],
+    prompts_per_set: int,
+    max_tokens: int,
+    modes: list[str],
+    out_dir,
+    block_size: Optional[int] = None,
+    label: str = "",
+    show_progress: bool = True,
+) -> dict:
+    """Run the benchmark; write results.json, results.md and plots into `out_dir`."""
+    if model.draft is None:
+        raise ValueError("the benchmark compares DFlash with plain decoding: this model has no drafter")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = {name: load_prompts(name, prompts_per_set) for name in sets}
+    runs: list[Run] = []
+    total = sum(len(p) for p in prompts.values()) * len(modes)
+    with progress(show_progress) as bar:
+        task = add_task(bar, "bench", total=total, info="warm-up")
+        warm = format_prompt(tokenizer, "Hello!")
+        _plain(model, tokenizer, warm, 8, "greedy", 0)
+        _dflash(model, tokenizer, warm, 8, "greedy", 0, block_size)
+        for name, texts in prompts.items():
+            for i, text in enumerate(texts):
+                prompt = format_prompt(tokenizer, text)
+                for mode in modes:
+                    pair = [_plain(model, tokenizer, prompt, max_tokens, mode, i),
+                            _dflash(model, tokenizer, prompt, max_tokens, mode, i, block_size)]
+                    for run in pair:
+                        run.set, run.prompt = name, i
+                    runs += pair
+                    speedup = pair[1].generation_tps / max(pair[0].generation_tps, 1e-9)
+                    bar.update(task, advance=1, info=f"{name} #{i} {mode}: {speedup:.2f}x tau {pair[1].tau:.2f}")
+    results = {"label": label, "machine": machine(), "max_tokens": max_tokens, "block_size": block_size,
+               "summary": summarize(runs, sets, modes), "runs": [asdict(r) for r in runs]}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "results.md").write_text(markdown(results))
+    try:
+        from .plots import bench_plots
+
+        bench_plots(results, out_dir)
+    except ImportError as e:
+        results["plots"] = str(e)
+    return results
+
+
+def machine() -> str:
+    return f"{platform.system()} {platform.machine()}, {platform.processor() or 'cpu'}, mlx {mx.__version__}, " \
+           f"{'Metal' if mx.metal.is_available() else 'CPU'}"
+
+
+def summarize(runs: list[Run], sets: list[str], modes: list[str]) -> list[dict]:
+    rows = []
+    for mode in modes:
+        for name in sets + ["all"]:
+            chosen = [r for r in runs if r.mode == mode and (name == "all" or r.set == name)]
+            plain = [r for r in chosen if r.decoder == "plain"]
+            dflash = [r for r in chosen if r.decoder == "dflash"]
+            if not plain:
+                continue
+            speedups = [d.generation_tps / max(p.generation_tps, 1e-9) for p, d in zip(plain, dflash)]
+            histogram = [sum(col) for col in zip(*[d.histogram for d in dflash])] if dflash else []
+            rows.append({
+                "set": name, "mode": mode, "prompts": len(plain),
+                "plain_tps": statistics.median(r.generation_tps for r in plain),
+                "dflash_tps": statistics.median(r.generation_tps for r in dflash),
+                "speedup": statistics.median(speedups),
+                "min_speedup": min(speedups),
+                "tau": statistics.mean(r.tau for r in dflash),
+                "plain_prompt_tps": statistics.median(r.prompt_tps for r in plain),
+                "dflash_prompt_tps": statistics.median(r.prompt_tps for r in dflash),
+                "plain_peak_gb": max(r.peak_memory_gb for r in plain),
+                "dflash_peak_gb": max(r.peak_memory_gb for r in dflash),
+                "plain_cycle_share": sum(r.plain_cycles for r in dflash) / max(sum(r.cycles for r in dflash), 1),
+                "histogram": histogram,
+            })
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = [f"{results['label']} — {results['machine']}, max {results['max_tokens']} tokens, "
+             f"block {results['block_size'] or 'adaptive'}; medians over prompts",
+             "",
+             "| set | mode | prompts | plain tok/s | DFlash tok/s | speedup (median) | min | tau | "
+             "plain cycles | prompt tok/s (plain / DFlash) | peak GB (plain / DFlash) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["summary"]:
+        lines.append(
+            f"| {r['set']} | {r['mode']} | {r['prompts']} | {r['plain_tps']:.1f} | {r['dflash_tps']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['min_speedup']:.2f}x | {r['tau']:.2f} | {100 * r['plain_cycle_share']:.0f}% | "
+            f"{r['plain_prompt_tps']:.0f} / {r['dflash_prompt_tps']:.0f} | "
+            f"{r['plain_peak_gb']:.2f} / {r['dflash_peak_gb']:.2f} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,47 @@
+"""The benchmark harness runs end to end on a tiny model pair (structure, not speed)."""
+
+import json
+
+import mlx.core as mx
+from typer.testing import CliRunner
+
+from dflash_mlx import load
+from dflash_mlx.bench import run_bench
+from dflash_mlx.cli import app
+from dflash_mlx.draft import DFlashDraftModel, save_draft
+from dflash_mlx.gguf import convert_gguf
+from dflash_mlx.target import Target
+from gguf_fixtures import write_gguf
+from tiny_models import draft_args
+
+
+def tiny_pair(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama")
+    target_dir = convert_gguf(tmp_path / "m.gguf", tmp_path / "target", show_progress=False)
+    model, _ = load(str(target_dir), use_draft=False)
+    mx.random.seed(0)
+    drafter = DFlashDraftModel(draft_args(model.target, layer_ids=(0, 1), block_size=4))
+    return target_dir, save_draft(drafter, tmp_path / "drafter")
+
+
+def test_harness_writes_results_tables_and_plots(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))  # cost curve cached here, not in ~
+    target_dir, drafter_dir = tiny_pair(tmp_path)
+    model, tokenizer = load(str(target_dir), str(drafter_dir))
+    assert model.chooser is not None
+    results = run_bench(model, tokenizer, ["gsm8k", "mtbench"], 2, 6, ["greedy", "sampled"], tmp_path / "out",
+                        show_progress=False)
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "speedup.png", "acceptance.png",
+                                               "tps_vs_length.png"}
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["runs"]) == 2 * 2 * 2 * 2  # sets x prompts x modes x decoders
+    assert {(r["set"], r["mode"]) for r in saved["summary"]} == {
+        (s, m) for s in ("gsm8k", "mtbench", "all") for m in ("greedy", "sampled")}
+    assert all(r["speedup"] > 0 and r["tau"] >= 1 for r in results["summary"])
+    assert "| gsm8k | greedy | 2 |" in (out / "results.md").read_text()
+
+
+def test_bench_cli_rejects_bad_modes():
+    result = CliRunner().invoke(app, ["bench", "--modes", "fast"])
+    assert result.exit_code == 1 and "--modes" in result.output
