@@ -118,6 +118,7 @@ def fit(
     sequences_per_step: int = typer.Option(8, "--sequences-per-step"),
     eval_every: int = typer.Option(0, "--eval-every", help="Steps between held-out tau checks (0: end only)."),
     no_init_from_target: bool = typer.Option(False, "--no-init-from-target"),
+    init_from: Optional[str] = typer.Option(None, "--init-from", help="Warm-start from an existing drafter dir."),
     fresh: bool = typer.Option(False, "--fresh", help="Ignore an existing checkpoint."),
     seed: int = typer.Option(0, "--seed"),
 ):
@@ -133,7 +134,7 @@ def fit(
         cfg = TrainConfig(block_size=block_size, num_layers=layers, num_target_layers=len(ids) if ids else target_layers,
                           target_layer_ids=ids, gamma=gamma, epochs=epochs, lr=lr,
                           sequences_per_step=sequences_per_step, eval_every=eval_every,
-                          init_from_target=not no_init_from_target, seed=seed)
+                          init_from_target=not no_init_from_target, init_from=init_from, seed=seed)
         pair, tokenizer = load(model, use_draft=False)
         examples = read_data(data, target_fingerprint(pair.target, tokenizer))
         run(pair.target, tokenizer, examples, out, cfg, resume=not fresh, feature_cache_dir=cache_dir() / "features",

@@ -54,6 +54,7 @@ class TrainConfig:
     mask_token_id: Optional[int] = None  # default: choose_mask_token
     gamma: float = 4.0  # loss weight decay along the block
     init_from_target: bool = True  # copy the deepest target layers into the drafter layers
+    init_from: Optional[str] = None  # or start from an existing drafter dir (warm start; its shape wins)
     epochs: int = 10
     sequences_per_step: int = 8
     anchors_per_block_span: float = 1.0  # blocks per sequence = ratio * response_len / block_size
@@ -340,6 +341,12 @@ def fit(
         draft = load_draft(checkpoint / "drafter", dtype=mx.float32).bind(target)
         state = TrainState(**saved["state"])
         log(f"resuming at step {state.step} (epoch {state.epoch})")
+    elif cfg.init_from:
+        draft = load_draft(cfg.init_from, dtype=mx.float32).bind(target)
+        cfg.block_size, cfg.num_layers = draft.block_size, len(draft.layers)
+        cfg.target_layer_ids, cfg.mask_token_id = draft.target_layer_ids, draft.mask_token_id
+        state = TrainState()
+        log(f"starting from the drafter in {cfg.init_from}")
     else:
         draft = new_drafter(target, cfg, cfg.mask_token_id)
         state = TrainState()
