@@ -11,6 +11,8 @@ from .draft import DraftLoadError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 train_app = typer.Typer(no_args_is_help=True, help="Train DFlash drafters: make-data, then fit.")
 app.add_typer(train_app, name="train")
+convert_app = typer.Typer(no_args_is_help=True, help="Convert and quantize drafters and targets for MLX.")
+app.add_typer(convert_app, name="convert")
 
 USER_ERRORS = (ValueError, FileNotFoundError, DraftLoadError, KeyError)
 
@@ -175,3 +177,44 @@ def bench(
 
     typer.echo(markdown(results))
     typer.echo(f"results in {out}")
+
+
+@convert_app.command("draft")
+def convert_draft(
+    source: str = typer.Argument(..., help="z-lab drafter: HF repo id or local dir."),
+    out: str = typer.Argument(..., help="Output drafter dir."),
+    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Quantize linear layers to 4 or 8 bits."),
+    q_group_size: int = typer.Option(64, "--q-group-size", help="32, 64 or 128."),
+    quantize_fc: bool = typer.Option(True, "--quantize-fc/--no-quantize-fc", help="Quantize the feature projection too."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 or float32 (never float16: it overflows)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing output dir."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be written and stop."),
+):
+    """Convert a DFlash drafter, optionally quantized; `load` reads the result."""
+    from .convert import convert_draft as run, draft_size_mb
+
+    try:
+        result = run(source, out, q_bits, q_group_size, quantize_fc, dtype, force, dry_run)
+    except USER_ERRORS + (FileExistsError,) as e:
+        fail(str(e).strip("'\""))
+    typer.echo(result if dry_run else f"drafter in {result} ({draft_size_mb(result):.1f} MB)")
+
+
+@convert_app.command("target")
+def convert_target(
+    source: str = typer.Argument(..., help="HF repo id / dir, or a .gguf file (llama, qwen2, qwen3)."),
+    out: str = typer.Argument(..., help="Output mlx-lm model dir."),
+    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Quantize an HF target to 4 or 8 bits (mlx-lm)."),
+    q_group_size: int = typer.Option(64, "--q-group-size"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="HF: float16/bfloat16/float32. GGUF: native (keep Q4/Q8) or a float dtype."),
+    force: bool = typer.Option(False, "--force"),
+    dry_run: bool = typer.Option(False, "--dry-run"),
+):
+    """Convert a target model into an mlx-lm directory."""
+    from .convert import convert_target as run
+
+    try:
+        result = run(source, out, q_bits, q_group_size, dtype, force, dry_run)
+    except USER_ERRORS + (FileExistsError,) as e:
+        fail(str(e).strip("'\""))
+    typer.echo(result if dry_run else f"model in {result}")

@@ -276,6 +276,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = [DraftLayer(args, t) for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._target = None  # a plain object, so its weights are not our parameters
+        self.quantization: Optional[dict] = None  # mlx-style entry when the linears are quantized
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -364,8 +365,20 @@ def check_pair(args: DraftArgs, target) -> None:
         raise DraftLoadError(f"drafter mask_token_id {args.mask_token_id} is outside the target vocabulary")
 
 
+def safe_activation_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """Drafters never compute in float16: the target features they fuse reach ~3e4
+    (massive activations) and fc sums thousands of them, which overflows float16
+    (zero acceptance, as reported for 4-bit drafters on M1/M2).  bfloat16 has
+    float32's range."""
+    return mx.bfloat16 if dtype == mx.float16 else dtype
+
+
 def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraftModel:
-    """Load a drafter directory (z-lab format: config.json + *.safetensors)."""
+    """Load a drafter directory (z-lab format: config.json + *.safetensors).
+
+    Weights and activations use `dtype` (default: as stored), except that
+    float16 becomes bfloat16 (see safe_activation_dtype); quantized layers keep
+    their packed weights and take their scales in that dtype."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -400,9 +413,9 @@ def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraf
             bits=quantization["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
+        model.quantization = quantization
     _load_weights_checked(model, weights, path)
-    if dtype is not None:
-        model.set_dtype(dtype)
+    model.set_dtype(safe_activation_dtype(dtype or model.dtype))
     mx.eval(model.parameters())
     model.eval()
     return model
@@ -429,13 +442,19 @@ def _load_weights_checked(model: nn.Module, weights: dict[str, Any], path: Path)
     model.load_weights(list(weights.items()))
 
 
-def save_draft(model: DFlashDraftModel, path: str | Path) -> Path:
-    """Write `model` as a z-lab drafter directory (config.json + model.safetensors)."""
+def save_draft(model: DFlashDraftModel, path: str | Path, quantization: Optional[dict] = None) -> Path:
+    """Write `model` as a z-lab drafter directory (config.json + model.safetensors);
+    a quantized drafter also records mlx-lm's `quantization` entry."""
     from mlx.utils import tree_flatten
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.args.to_config(), indent=2) + "\n")
+    config = model.args.to_config()
+    quantization = quantization or model.quantization
+    if quantization:
+        model.quantization = quantization
+        config["quantization"] = config["quantization_config"] = quantization
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     weights = dict(tree_flatten(model.parameters()))
     # "pt" is what transformers / SGLang / vLLM expect in the safetensors header
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})

@@ -56,6 +56,37 @@ def _scalar(value):
     return value.item() if isinstance(value, mx.array) else value
 
 
+def read_gguf(path: Path) -> tuple[dict, dict, set]:
+    """(tensors, metadata, names of GGUF types that had to be dequantized).
+
+    MLX reads F32/F16/BF16 and Q4_0/Q4_1/Q8_0 itself (quantized ones stay quantized);
+    for files with other types every tensor goes through the `gguf` package and
+    the quantized ones are dequantized to float32."""
+    try:
+        weights, md = mx.load(str(path), return_metadata=True)
+        return weights, md, set()
+    except Exception as mlx_error:
+        import gguf
+        from gguf.quants import dequantize
+
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception:
+            raise GGUFError(f"cannot read {path} as GGUF: {mlx_error}") from None
+    md = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    weights, converted = {}, set()
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    for tensor in reader.tensors:
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise GGUFError(f"GGUF tensor type {tensor.tensor_type.name} ({tensor.name}) is not supported") from None
+        if tensor.tensor_type not in float_types:
+            converted.add(tensor.tensor_type.name)
+        weights[tensor.name] = mx.array(values.astype("float32").reshape(tuple(reversed(tensor.shape.tolist()))))
+    return weights, md, converted
+
+
 def _hf_name(gguf_name: str) -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
@@ -151,7 +182,7 @@ def _tokenizer_files(md: dict) -> dict:
     if pre not in _PRE_TOKENIZERS:
         raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(_PRE_TOKENIZERS))}")
     tokens = list(md["tokenizer.ggml.tokens"])
-    types = md["tokenizer.ggml.token_type"].tolist()
+    types = [int(t) for t in md["tokenizer.ggml.token_type"]]
     merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
 
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
@@ -204,10 +235,10 @@ def convert_gguf(
 
     with progress(show_progress) as bar:
         step = add_task(bar, f"GGUF → MLX ({dtype})", total=4, info=gguf_path.name)
-        try:
-            weights, md = mx.load(str(gguf_path), return_metadata=True)
-        except Exception as e:
-            raise GGUFError(f"cannot read {gguf_path} as GGUF: {e}") from None
+        weights, md, dequantized = read_gguf(gguf_path)
+        if dequantized and dtype == "native":
+            raise GGUFError(f"MLX cannot keep {', '.join(sorted(dequantized))} tensors quantized; "
+                            "convert with --dtype float16/bfloat16/float32 instead")
         arch = md.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise GGUFError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")

@@ -82,3 +82,28 @@ def test_bad_files_give_clear_errors(tmp_path):
     with pytest.raises(GGUFError, match="unknown dtype"):
         convert_gguf(tmp_path / "m.gguf", tmp_path / "o3", dtype="int3", show_progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.gguf", "m.gguf"]
+
+
+def test_types_mlx_cannot_read_are_dequantized_or_refused(tmp_path):
+    source, tok = write_gguf(tmp_path / "m.gguf", "qwen3", "Q5_0")
+    with pytest.raises(GGUFError, match="Q5_0.*--dtype"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "native", dtype="native", show_progress=False)
+    assert not (tmp_path / "native").exists()
+    dense = convert_gguf(tmp_path / "m.gguf", tmp_path / "dense", dtype="float32", show_progress=False)
+    converted = dict(tree_flatten(mlx_lm.load(str(dense))[0].parameters()))
+    for name, w in tree_flatten(source.parameters()):
+        assert relative_error(np.array(converted[name]), np.array(w)) < 0.05, name
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="architecture 'phi3' is not supported"):
+        convert_gguf(tmp_path / "phi.gguf", tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()
