@@ -90,3 +90,17 @@ def test_cli_bad_input_is_one_clear_line(args, message):
     assert message in result.output
     assert "Traceback" not in result.output
     assert len([line for line in result.output.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_shipped_drafter_loads_by_default_and_is_lossless(smollm2, target, prompts):
+    from dflash_mlx import load
+    from dflash_mlx.registry import DEFAULT_DRAFT
+
+    assert (DEFAULT_DRAFT / "model.safetensors").stat().st_size < 25e6
+    model, _ = load(adaptive=False)
+    assert model.draft is not None and model.draft.block_size == 16
+    drafter = model.draft.bind(target)
+    for prompt in prompts[:2]:
+        out, stats = dflash(target, drafter, prompt, 32)
+        assert out == plain(target, prompt, 32)
+        assert stats.tau > 1.0  # it accepts something: a trained drafter, not a random one
