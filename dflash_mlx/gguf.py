@@ -8,14 +8,13 @@ mlx-lm's own model class check every tensor (strict load) before saving.
 """
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.utils import _get_classes, save_config, save_model
 
+from .convert import staged
 from .progress import add_task, progress
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -259,19 +258,11 @@ def convert_gguf(
         model = _build_model(config, weights)
         bar.advance(step)
 
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-        staging.chmod(0o755)
-        try:
+        with staged(out_dir, force) as staging:
             save_model(staging, model)
             save_config(dict(config), staging / "config.json")
             for name, text in tokenizer_files.items():
                 (staging / name).write_text(text)
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            staging.rename(out_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         bar.advance(step)
     return out_dir
 
