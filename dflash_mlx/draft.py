@@ -21,6 +21,8 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.qwen3 import MLP
 
+from .kernels import ContextSpan, block_attention
+
 
 class DraftLoadError(ValueError):
     """A drafter directory or drafter/target pairing that cannot work."""
@@ -122,8 +124,7 @@ class ContextKV:
         self.window = window
         self.keys = self.values = None
         self.offset = 0  # positions appended so far
-        self._start = 0  # buffer index of the oldest kept entry
-        self._end = 0
+        self._end = 0  # buffer index after the newest entry
 
     def append(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
@@ -135,53 +136,37 @@ class ContextKV:
         self.offset += n
 
     def _regrow(self, keys, values, n):
-        kept_k = kept_v = None
-        if self.keys is not None:
-            start = self._start
-            if self.window is not None:
-                start = max(start, self._end - self.window)
-            kept_k = self.keys[..., start : self._end, :]
-            kept_v = self.values[..., start : self._end, :]
-        kept = 0 if kept_k is None else kept_k.shape[2]
-        capacity = ((kept + n + self.step - 1) // self.step + 1) * self.step
+        kept = self.span()
+        length = kept.length if kept else 0
+        capacity = ((length + n + self.step - 1) // self.step + 1) * self.step
         B, H, _, D = keys.shape
         new_k = mx.zeros((B, H, capacity, D), keys.dtype)
         new_v = mx.zeros((B, H, capacity, values.shape[3]), values.dtype)
-        if kept:
-            new_k[..., :kept, :] = kept_k
-            new_v[..., :kept, :] = kept_v
-        self.keys, self.values = new_k, new_v
-        self._start, self._end = 0, kept
+        if length:
+            live = slice(kept.start, kept.start + length)
+            new_k[..., :length, :] = kept.keys[..., live, :]
+            new_v[..., :length, :] = kept.values[..., live, :]
+        self.keys, self.values, self._end = new_k, new_v, length
 
-    def fetch(self) -> tuple[mx.array, mx.array, int]:
-        """(keys, values, position of the first returned entry)."""
-        start = self._start
-        if self.window is not None:
-            start = max(start, self._end - self.window)
+    def span(self) -> Optional[ContextSpan]:
+        """The live entries (the last `window` with a window), read in place by attention."""
         if self.keys is None:
-            return None, None, self.offset
-        return (
-            self.keys[..., start : self._end, :],
-            self.values[..., start : self._end, :],
-            self.offset - (self._end - start),
-        )
+            return None
+        start = 0 if self.window is None else max(0, self._end - self.window)
+        return ContextSpan(self.keys, self.values, start, self._end - start)
 
     @property
     def state(self):
-        keys, values, _ = self.fetch()
-        return keys, values
+        return self.keys, self.values
 
-    # the attention-context protocol DraftAttention reads
+    # the attention-context protocol DraftAttention calls
     @property
     def position(self) -> int:
         return self.offset  # the block starts right after the context
 
-    def keys_values(self, attn: "DraftAttention"):
-        keys, values, _ = self.fetch()
-        return keys, values
-
-    def mask(self, attn: "DraftAttention", L: int) -> Optional[mx.array]:
-        return attn.window_mask(L, self.fetch()[2], self.offset)
+    def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
+        return block_attention(queries, keys, values, self.span(), scale=attn.scale,
+                               causal=attn.causal, window=attn.window)
 
 
 class DraftAttention(nn.Module):
@@ -226,32 +211,14 @@ class DraftAttention(nn.Module):
         """Block queries attend to the injected context and to the whole block.
 
         `context` is a ContextKV (decoding) or a packed training context; both
-        give the block's position(s), the context keys/values and the mask."""
+        give the block's position(s) and attend(attn, queries, keys, values)."""
         B, L, _ = x.shape
         position = context.position
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         queries = self._rope(queries, position)
         keys, values = self.keys_values(x, position)
-        ctx_keys, ctx_values = context.keys_values(self)
-        if ctx_keys is not None:
-            keys = mx.concatenate([ctx_keys, keys], axis=2)
-            values = mx.concatenate([ctx_values, values], axis=2)
-        mask = context.mask(self, L)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        out = context.attend(self, queries, keys, values)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def window_mask(self, L: int, first: int, position: int) -> Optional[mx.array]:
-        """Causal / sliding-window visibility of [context from `first`, block] for decoding."""
-        if not self.causal and self.window is None:
-            return None
-        query = position + mx.arange(L)[:, None]
-        key = first + mx.arange(position - first + L)[None]
-        visible = mx.ones((L, key.shape[1]), dtype=mx.bool_)
-        if self.causal:
-            visible = visible & (key <= query)
-        if self.window is not None:
-            visible = visible & (query - key < self.window) & (key - query < self.window)
-        return visible
 
 
 class DraftLayer(nn.Module):

@@ -4,10 +4,10 @@ Speculative verification feeds the recurrent layer a whole block, but only a
 prefix of it is accepted.  The layer's state after that prefix is not among the
 outputs of mlx-lm's module, so the verify pass runs this mirror of
 ``mlx_lm.models.qwen3_5.GatedDeltaNet.__call__`` (same building blocks, same
-numerics) and keeps the per-token recurrence inputs.  Rolling back then replays
-only the accepted steps of the recurrence from the pre-verify state, instead of
-re-running the layer's projections.  ``tests/test_rollback.py`` pins this
-function to mlx-lm's module output.
+numerics) with the recurrence in ``kernels.gated_delta_tape``, which also
+returns each step's delta.  Rolling back is then the closed-form state after
+the accepted steps (one matmul from the pre-verify state), not a re-run of the
+recurrence.  ``tests/test_engine.py`` pins this function to mlx-lm's module.
 """
 
 from dataclasses import dataclass
@@ -15,7 +15,9 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+
+from .kernels import gated_delta_replay, gated_delta_tape
 
 
 @dataclass
@@ -23,36 +25,26 @@ class Tape:
     """What one forward over S tokens needs to rebuild the state after any prefix."""
 
     conv_input: mx.array  # (B, K-1+S, conv_dim): previous conv window + this block
-    q: mx.array
-    k: mx.array
-    v: mx.array
-    a: mx.array
-    b: mx.array
-    A_log: mx.array
-    dt_bias: mx.array
+    k: mx.array  # (B, S, Hk, Dk) normalized keys
+    g: mx.array  # (B, S, Hv) decays
+    delta: mx.array  # (B, S, Hv, Dv) state writes
 
     @property
     def length(self) -> int:
-        return self.q.shape[1]
+        return self.k.shape[1]
 
     def replay(self, state: Optional[mx.array], steps: int, kernel_size: int):
         """(conv_state, recurrent_state) after the first `steps` tokens of the tape."""
         conv_state = self.conv_input[:, steps : steps + kernel_size - 1]
-        _, state = gated_delta_update(
-            self.q[:, :steps],
-            self.k[:, :steps],
-            self.v[:, :steps],
-            self.a[:, :steps],
-            self.b[:, :steps],
-            self.A_log,
-            self.dt_bias,
-            state,
-        )
-        return mx.contiguous(conv_state), state
+        if state is None:
+            B, _, Hv, Dv = self.delta.shape
+            state = mx.zeros((B, Hv, Dv, self.k.shape[-1]), dtype=mx.float32)
+        return mx.contiguous(conv_state), gated_delta_replay(state, self.k, self.g, self.delta, steps)
 
 
-def gated_delta_forward(mixer, x: mx.array, mask, cache) -> tuple[mx.array, Tape]:
-    """Run `mixer` (a qwen3_5 GatedDeltaNet) on x, updating `cache`; return (out, tape)."""
+def gated_delta_forward(mixer, x: mx.array, mask, cache, record: bool) -> tuple[mx.array, Optional[Tape]]:
+    """Run `mixer` (a qwen3_5 GatedDeltaNet) on x, updating `cache`; return (out, tape),
+    the tape only when `record` (a verify pass: prefill chunks use mlx-lm's recurrence)."""
     B, S, _ = x.shape
     qkv = mixer.in_proj_qkv(x)
     z = mixer.in_proj_z(x).reshape(B, S, mixer.num_v_heads, mixer.head_v_dim)
@@ -77,10 +69,21 @@ def gated_delta_forward(mixer, x: mx.array, mask, cache) -> tuple[mx.array, Tape
         )
     ]
     q, k = normalize_qk(q, k, inv_scale=mixer.head_k_dim**-0.5, eps=1e-6)
-    out, cache[1] = gated_delta_update(
-        q, k, v, a, b, mixer.A_log, mixer.dt_bias, cache[1], mask,
-        use_kernel=not mixer.training,
-    )
+    tape = None
+    if record:
+        g, beta = compute_g(mixer.A_log, a, mixer.dt_bias), mx.sigmoid(b)
+        if mask is not None:  # padded steps leave the state alone
+            g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
+        state = cache[1]
+        if state is None:
+            state = mx.zeros((B, mixer.num_v_heads, mixer.head_v_dim, mixer.head_k_dim), dtype=mx.float32)
+        out, cache[1], delta = gated_delta_tape(q, k, v, g, beta, state)
+        tape = Tape(conv_input, k, g, delta)
+    else:
+        out, cache[1] = gated_delta_update(
+            q, k, v, a, b, mixer.A_log, mixer.dt_bias, cache[1], mask,
+            use_kernel=not mixer.training,
+        )
     cache.advance(S)
     out = mixer.out_proj(mixer.norm(out, z).reshape(B, S, -1))
-    return out, Tape(conv_input, q, k, v, a, b, mixer.A_log, mixer.dt_bias)
+    return out, tape

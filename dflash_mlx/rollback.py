@@ -63,25 +63,23 @@ class GatedDeltaState:
         self.kernel_size = kernel_size
         self.tape: Tape | None = None
         self._saved = (None, None)
-
-        self._armed = False
+        # Only a checkpointed (verify) pass records a tape: a prefill chunk's
+        # tape would pin its activations in memory for nothing.
+        self.recording = False
 
     def checkpoint(self):
         self._saved = (self.cache[0], self.cache[1])
-        self.tape, self._armed = None, True
+        self.tape, self.recording = None, True
 
     def record(self, tape: Tape):
-        # Only a checkpointed (verify) pass keeps its tape: a prefill chunk's
-        # tape would pin its whole activations in memory for nothing.
-        if self._armed:
-            self.tape = tape
+        self.tape = tape
 
     def rollback(self, keep: int):
         if self.tape is None:
             raise RuntimeError("GatedDeltaNet rollback needs the tape of a checkpointed pass")
         if keep < self.tape.length:
             self.cache[0], self.cache[1] = self.tape.replay(self._saved[1], keep, self.kernel_size)
-        self.tape, self._armed = None, False
+        self.tape, self.recording = None, False
 
 
 def checkpointed(cache: Any, layer: Any):

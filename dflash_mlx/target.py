@@ -113,7 +113,8 @@ class Target:
 
 def _gated_delta_layer(layer, h, mask, state: GatedDeltaState):
     """qwen3_5 DecoderLayer.__call__ for a linear-attention layer, with the tape kept."""
-    r, tape = gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), mask, state.cache)
-    state.record(tape)
+    r, tape = gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), mask, state.cache, state.recording)
+    if tape is not None:
+        state.record(tape)
     h = h + r
     return h + layer.mlp(layer.post_attention_layernorm(h))

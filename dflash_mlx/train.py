@@ -193,11 +193,11 @@ class PackedContext:
         self._context_positions = batch.context_positions
         self._visible = batch.visible
 
-    def keys_values(self, attn):
-        return attn.keys_values(self._context, self._context_positions)
-
-    def mask(self, attn, L):
-        return self._visible
+    def attend(self, attn, queries, keys, values):
+        ctx_keys, ctx_values = attn.keys_values(self._context, self._context_positions)
+        keys = mx.concatenate([ctx_keys, keys], axis=2)
+        values = mx.concatenate([ctx_values, values], axis=2)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=self._visible)
 
 
 def sample_anchors(example: Example, cfg: TrainConfig, rng: random.Random) -> list[int]:

@@ -31,7 +31,7 @@ def _common(model_type: str) -> dict:
 def tiny_target(model_type: str, seed: int = 0, **overrides) -> Target:
     """A random `model_type` target with peaky logits (so greedy ties are rare)."""
     mx.random.seed(seed)
-    config = {**_common(model_type), **overrides}
+    config = _common(model_type)
     if model_type == "llama":
         from mlx_lm.models import llama as module
     elif model_type == "qwen3":
@@ -56,6 +56,7 @@ def tiny_target(model_type: str, seed: int = 0, **overrides) -> Target:
                                        "partial_rotary_factor": 0.5})
     else:
         raise ValueError(model_type)
+    config.update(overrides)
     model = module.Model(module.ModelArgs.from_dict(config))
     # Larger weights than the default init make the random model's predictions
     # confident and varied, like a trained model's.
