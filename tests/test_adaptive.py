@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.adaptive import AcceptanceEstimate, CostModel, WidthChooser, measure_costs
+from dflash_mlx.adaptive import AcceptanceEstimate, CostModel, WidthChooser, measure_costs, monotone
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import oracle_draft, random_draft, tiny_target
@@ -102,3 +102,13 @@ def test_measure_costs_gives_a_rising_curve():
     cost = measure_costs(target, random_draft(target, layer_ids=(0, 1), block_size=16), context=32, repeats=2)
     assert cost.widths[0] == 1 and cost.widths[-1] == 16
     assert all(s > 0 for s in cost.seconds) and cost.draft_seconds > 0
+    assert cost.seconds == sorted(cost.seconds)
+
+
+def test_monotone_fit_removes_noise_spikes():
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # a noisy dip at width 12 (measured under load) is pooled with its neighbours, not believed
+    fitted = monotone([0.108, 0.102, 0.172, 0.245, 0.300, 0.245, 0.170, 0.267])
+    assert fitted == sorted(fitted)
+    assert fitted[0] == fitted[1] == (0.108 + 0.102) / 2
+    assert abs(sum(fitted) - 1.609) < 1e-9  # pooling keeps the total (least-squares fit)
