@@ -9,6 +9,8 @@
 
 Without a drafter the same loop runs with w = 1: plain target decoding.  With a
 WidthChooser (adaptive.py) and no fixed block size, w is chosen every cycle.
+Consecutive plain cycles are pipelined (the next pass is queued before the
+current token is read), as in mlx-lm's generate_step.
 """
 
 import time
@@ -105,6 +107,15 @@ def draft(model: DFlashModel, last: mx.array, dcache, width: int, params: Sampli
     return propose(model.draft(block, dcache)[0], params)
 
 
+def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, dcache, params: SamplingParams) -> mx.array:
+    """One target pass over `last` alone (nothing to verify or roll back): the next token, lazily.
+    The drafter still receives the position's features, for the cycles that draft."""
+    logits, features = model.target(last.reshape(1, 1).astype(mx.int32), tcache, model.feature_layers)
+    if model.draft is not None:
+        model.draft.add_context(features, dcache)
+    return accept(mx.zeros((0,), dtype=mx.int32), logits[0], None, params)[1]
+
+
 def verify(model: DFlashModel, last: mx.array, proposal: mx.array, tcache: TargetCache):
     """Target logits and features at [last] + proposal, with the caches checkpointed."""
     tokens = mx.concatenate([last.reshape(1).astype(mx.int32), proposal.astype(mx.int32)])[None]
@@ -139,20 +150,34 @@ def decode(
     yield Step([token.item()], 0)
     produced = 1
 
+    queued, decided = None, None  # a plain step already in flight; a width chosen ahead
     while produced < max_tokens:
         left = max_tokens - produced
-        w = model.chooser.choose(left) if adaptive else min(width, left)
-        proposal, q = draft(model, token, dcache, w, params)
-        logits, features = verify(model, token, proposal, tcache)
-        n, next_token = accept(proposal, logits, q, params)
-        mx.eval(n, next_token, proposal)
-        n = n.item()
-        if adaptive:
-            model.chooser.observe(w, n)
-        tcache.rollback(n + 1)
-        if model.draft is not None:
+        w = decided or (model.chooser.choose(left) if adaptive else min(width, left))
+        decided = None
+        if w == 1:
+            next_token = queued if queued is not None else plain_step(model, token, tcache, dcache, params)
+            # A plain cycle teaches the chooser nothing, so the next width is known
+            # before this token is: queue the next plain step now, and the graph of
+            # step t+1 is built while step t computes.
+            queued = None
+            if left > 1:
+                decided = model.chooser.choose(left - 1) if adaptive else min(width, left - 1)
+                if decided == 1:
+                    queued = plain_step(model, next_token, tcache, dcache, params)
+                    mx.async_eval(queued)
+            n, committed = 0, [next_token.item()]
+        else:
+            proposal, q = draft(model, token, dcache, w, params)
+            logits, features = verify(model, token, proposal, tcache)
+            n, next_token = accept(proposal, logits, q, params)
+            mx.eval(n, next_token, proposal)
+            n = n.item()
+            if adaptive:
+                model.chooser.observe(w, n)
+            tcache.rollback(n + 1)
             model.draft.add_context(features[:, : n + 1], dcache)
-        committed = proposal[:n].tolist() + [next_token.item()]
+            committed = proposal[:n].tolist() + [next_token.item()]
         token = next_token
         produced += len(committed)
         stats.accepted_lengths.append(len(committed))
