@@ -27,11 +27,13 @@ PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 @dataclass
 class CostModel:
-    """Seconds for one target pass over L tokens (interpolated) and for one drafter pass."""
+    """Seconds for one target pass over L tokens (interpolated) and for one drafter pass
+    over a block of L (draft_seconds + draft_per_token * (L - 1): its lm_head runs per token)."""
 
     widths: list[int]
     seconds: list[float]
     draft_seconds: float
+    draft_per_token: float = 0.0
 
     def verify(self, L: int) -> float:
         for (w0, s0), (w1, s1) in zip(zip(self.widths, self.seconds), zip(self.widths[1:], self.seconds[1:])):
@@ -43,7 +45,7 @@ class CostModel:
         return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
 
     def cycle(self, L: int) -> float:
-        return self.verify(L) + (self.draft_seconds if L > 1 else 0.0)
+        return self.verify(L) + (self.draft_seconds + self.draft_per_token * (L - 1) if L > 1 else 0.0)
 
 
 @dataclass
@@ -140,10 +142,10 @@ def measure_costs(target, draft, context: int = 128, widths: Sequence[int] = PRO
     _, features = target(tokens, cache, layers, logits_for_last_only=True)
     mx.eval(features)
     dcache = None
+    draft_widths = sorted({2, draft.block_size}) if draft is not None else []
     if draft is not None:
         dcache = draft.make_cache()
         draft.add_context(features, dcache)
-        draft_block = mx.full((1, draft.block_size), draft.mask_token_id, dtype=mx.int32)
 
     def verify_seconds(w: int) -> float:
         cache.checkpoint()
@@ -152,23 +154,28 @@ def measure_costs(target, draft, context: int = 128, widths: Sequence[int] = PRO
         cache.rollback(0)
         return time.perf_counter() - tic
 
-    def draft_seconds() -> float:
+    def draft_seconds(w: int) -> float:
         tic = time.perf_counter()
-        mx.eval(draft(draft_block, dcache))
+        mx.eval(draft(mx.full((1, w), draft.mask_token_id, dtype=mx.int32), dcache))
         return time.perf_counter() - tic
 
     times = {w: [] for w in widths}
-    drafts = []
+    drafts = {w: [] for w in draft_widths}
     for attempt in range(repeats + 1):  # the first round warms up
         for w in widths:
             seconds = verify_seconds(w)
             if attempt:
                 times[w].append(seconds)
-        if draft is not None:
-            seconds = draft_seconds()
+        for w in draft_widths:
+            seconds = draft_seconds(w)
             if attempt:
-                drafts.append(seconds)
-    return CostModel(list(widths), monotone([median(times[w]) for w in widths]), median(drafts) if drafts else 0.0)
+                drafts[w].append(seconds)
+    verify = monotone([median(times[w]) for w in widths])
+    if not drafts:
+        return CostModel(list(widths), verify, 0.0)
+    short, full = median(drafts[draft_widths[0]]), median(drafts[draft_widths[-1]])
+    per_token = max(0.0, (full - short) / max(1, draft_widths[-1] - 2))
+    return CostModel(list(widths), verify, short - per_token, per_token)
 
 
 def monotone(values: list[float]) -> list[float]:
@@ -184,7 +191,7 @@ def monotone(values: list[float]) -> list[float]:
 
 def cached_costs(key: str, measure, cache_root: Path) -> CostModel:
     """The cost model stored for (`key`, this machine), measured and stored on first use."""
-    name = f"{key}-{machine_key()}".replace("/", "_").replace(" ", "_")
+    name = f"{key}-{machine_key()}-v2".replace("/", "_").replace(" ", "_")  # v2: per-token draft cost
     path = cache_root / "costs" / f"{name}.json"
     if path.is_file():
         return CostModel(**json.loads(path.read_text()))

@@ -101,8 +101,18 @@ def test_measure_costs_gives_a_rising_curve():
     target = tiny_target("qwen3", seed=1, num_hidden_layers=2)
     cost = measure_costs(target, random_draft(target, layer_ids=(0, 1), block_size=16), context=32, repeats=2)
     assert cost.widths[0] == 1 and cost.widths[-1] == 16
-    assert all(s > 0 for s in cost.seconds) and cost.draft_seconds > 0
+    assert all(s > 0 for s in cost.seconds) and cost.draft_per_token >= 0
     assert cost.seconds == sorted(cost.seconds)
+    assert cost.cycle(2) > cost.verify(2) and cost.cycle(16) - cost.verify(16) >= cost.cycle(2) - cost.verify(2)
+
+
+def test_drafter_cost_grows_with_the_block():
+    """A short draft is cheaper than a full one: charging every width the full block's
+    drafter cost would hide the narrow widths that pay."""
+    per_token = CostModel([1, 16], [1.0, 1.0], draft_seconds=0.05, draft_per_token=0.1)
+    flat = CostModel([1, 16], [1.0, 1.0], draft_seconds=0.05 + 0.1 * 15)
+    assert WidthChooser(per_token, 16, prior=0.5).best() in (2, 3, 4)  # 3: 1.75 tokens / 1.25 s
+    assert WidthChooser(flat, 16, prior=0.5).best() == 1
 
 
 def test_monotone_fit_removes_noise_spikes():
