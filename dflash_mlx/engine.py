@@ -150,11 +150,13 @@ def decode(
     yield Step([token.item()], 0)
     produced = 1
 
+    def choose(limit: int) -> int:
+        return model.chooser.choose(limit) if adaptive else min(width, limit)
+
     queued, decided = None, None  # a plain step already in flight; a width chosen ahead
     while produced < max_tokens:
         left = max_tokens - produced
-        w = decided or (model.chooser.choose(left) if adaptive else min(width, left))
-        decided = None
+        w, decided = decided or choose(left), None
         if w == 1:
             next_token = queued if queued is not None else plain_step(model, token, tcache, dcache, params)
             # A plain cycle teaches the chooser nothing, so the next width is known
@@ -162,7 +164,7 @@ def decode(
             # step t+1 is built while step t computes.
             queued = None
             if left > 1:
-                decided = model.chooser.choose(left - 1) if adaptive else min(width, left - 1)
+                decided = choose(left - 1)
                 if decided == 1:
                     queued = plain_step(model, next_token, tcache, dcache, params)
                     mx.async_eval(queued)

@@ -36,9 +36,6 @@ class Tape:
     def replay(self, state: Optional[mx.array], steps: int, kernel_size: int):
         """(conv_state, recurrent_state) after the first `steps` tokens of the tape."""
         conv_state = self.conv_input[:, steps : steps + kernel_size - 1]
-        if state is None:
-            B, _, Hv, Dv = self.delta.shape
-            state = mx.zeros((B, Hv, Dv, self.k.shape[-1]), dtype=mx.float32)
         return mx.contiguous(conv_state), gated_delta_replay(state, self.k, self.g, self.delta, steps)
 
 
@@ -74,10 +71,7 @@ def gated_delta_forward(mixer, x: mx.array, mask, cache, record: bool) -> tuple[
         g, beta = compute_g(mixer.A_log, a, mixer.dt_bias), mx.sigmoid(b)
         if mask is not None:  # padded steps leave the state alone
             g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
-        state = cache[1]
-        if state is None:
-            state = mx.zeros((B, mixer.num_v_heads, mixer.head_v_dim, mixer.head_k_dim), dtype=mx.float32)
-        out, cache[1], delta = gated_delta_tape(q, k, v, g, beta, state)
+        out, cache[1], delta = gated_delta_tape(q, k, v, g, beta, cache[1])
         tape = Tape(conv_input, k, g, delta)
     else:
         out, cache[1] = gated_delta_update(

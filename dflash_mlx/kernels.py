@@ -169,11 +169,19 @@ def block_attention_launch(queries, keys, values, context: Optional[ContextSpan]
 # ------------------------------------------------------- GatedDeltaNet tape
 
 
-def gated_delta_tape(q, k, v, g, beta, state) -> tuple[mx.array, mx.array, mx.array]:
+def initial_state(state: Optional[mx.array], k: mx.array, v: mx.array) -> mx.array:
+    """`state`, or the zero state (B, Hv, Dv, Dk) float32 a layer starts from."""
+    if state is not None:
+        return state
+    return mx.zeros((k.shape[0], v.shape[2], v.shape[3], k.shape[3]), dtype=mx.float32)
+
+
+def gated_delta_tape(q, k, v, g, beta, state: Optional[mx.array]) -> tuple[mx.array, mx.array, mx.array]:
     """The gated delta rule over T steps, also returning delta (B, T, Hv, Dv) float32.
 
-    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); state (B, Hv, Dv, Dk) float32.
-    Returns (y (B, T, Hv, Dv) in q's dtype, final state, delta)."""
+    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); state (B, Hv, Dv, Dk) float32
+    or None (zeros).  Returns (y (B, T, Hv, Dv) in q's dtype, final state, delta)."""
+    state = initial_state(state, k, v)
     if use_metal() and _metal_fits("gated_delta_tape", k.shape[-1], q.dtype):
         return tuple(run_metal(gated_delta_tape_launch(q, k, v, g, beta, state)))
     return gated_delta_tape_mlx(q, k, v, g, beta, state)
@@ -215,9 +223,11 @@ def gated_delta_tape_launch(q, k, v, g, beta, state) -> Launch:
     )
 
 
-def gated_delta_replay(state: mx.array, k: mx.array, g: mx.array, delta: mx.array, steps: int) -> mx.array:
-    """The state after the first `steps` tape steps, in closed form:
+def gated_delta_replay(state: Optional[mx.array], k: mx.array, g: mx.array, delta: mx.array,
+                       steps: int) -> mx.array:
+    """The state after the first `steps` tape steps from `state` (None: zeros), in closed form:
     S_n = (g_1..g_n) S_0 + sum_t (g_{t+1}..g_n) delta_t k_t^T  -- one matmul, no recurrence."""
+    state = initial_state(state, k, delta)
     if steps == 0:
         return state
     k = mx.repeat(k[:, :steps].astype(mx.float32), delta.shape[2] // k.shape[2], axis=2)
