@@ -20,23 +20,22 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import format_prompt, load
 from dflash_mlx.benchmarks import load_prompts
-from dflash_mlx.engine import draft, prefill, verify
+from dflash_mlx.engine import Context, draft, prefill, verify
 from dflash_mlx.progress import add_task, progress
-from dflash_mlx.sampling import SamplingParams, accept
+from dflash_mlx.sampling import SamplingParams, accept, sample
 
 PHASES = ("draft", "verify", "accept", "rollback", "python")
 
 
 def profile_width(model, prompt: mx.array, width: int, cycles: int) -> tuple[dict[str, list[float]], list[int]]:
     params = SamplingParams()
-    tcache, dcache = model.target.make_cache(), model.draft.make_cache()
-    logits = prefill(model, prompt, tcache, dcache)
-    _, token = accept(mx.zeros((0,), dtype=mx.int32), logits, None, params)
+    tcache, context = model.target.make_cache(), Context(model)
+    token = sample(prefill(model, prompt, tcache, context), params)
     times = {phase: [] for phase in PHASES}
     committed_per_cycle = []
     for _ in range(cycles):
         marks = [time.perf_counter()]
-        proposal, q = draft(model, token, dcache, width, params)
+        proposal, q = draft(model, token, context, width, params)
         mx.eval(proposal)
         marks.append(time.perf_counter())
         logits, features = verify(model, token, proposal, tcache)
@@ -46,8 +45,8 @@ def profile_width(model, prompt: mx.array, width: int, cycles: int) -> tuple[dic
         n = n.item()
         marks.append(time.perf_counter())
         tcache.rollback(n + 1)
-        model.draft.add_context(features[:, : n + 1], dcache)
-        mx.eval([c.state for c in dcache], [c.state for c in tcache.layers])
+        context.add(features[:, : n + 1])
+        mx.eval([c.state for c in context.flush()], [c.state for c in tcache.layers])
         marks.append(time.perf_counter())
         committed = proposal[:n].tolist() + [next_token.item()]
         token = next_token

@@ -9,7 +9,10 @@ uses the width L maximising
     E[committed | L] / T(L),   E[committed | L] = 1 + sum_{k<L} prod_{j<=k} a_j
 
 L = 1 is plain decoding.  When it wins, the engine decodes plainly but still
-drafts now and then (`probe_every`) so the estimate can recover.
+drafts now and then so the estimate can recover; probes that keep failing are
+spaced further apart (16, 32, ... up to 128 cycles), as each costs more than a
+plain step.  When sampling, every verified and drafted position also costs a
+sampling distribution (a sort over the vocabulary for top-p), measured too.
 """
 
 import json
@@ -22,18 +25,26 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
+from .sampling import SamplingParams, probabilities
+
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+SAMPLE_ROWS = 8
+SAMPLING_PROBES = (SamplingParams(temp=1.0), SamplingParams(temp=1.0, top_p=0.9))  # unfiltered, filtered
 
 
 @dataclass
 class CostModel:
-    """Seconds for one target pass over L tokens (interpolated) and for one drafter pass
-    over a block of L (draft_seconds + draft_per_token * (L - 1): its lm_head runs per token)."""
+    """Seconds for one target pass over L tokens (interpolated), for one drafter pass
+    over a block of L (draft_seconds + draft_per_token * (L - 1): its lm_head runs per
+    token), and for one position's sampling distribution (temperature only, or
+    filtered by top-p / top-k)."""
 
     widths: list[int]
     seconds: list[float]
     draft_seconds: float
     draft_per_token: float = 0.0
+    sample_row: float = 0.0
+    filtered_row: float = 0.0
 
     def verify(self, L: int) -> float:
         for (w0, s0), (w1, s1) in zip(zip(self.widths, self.seconds), zip(self.widths[1:], self.seconds[1:])):
@@ -44,8 +55,15 @@ class CostModel:
         w0, w1, s0, s1 = self.widths[-2], self.widths[-1], self.seconds[-2], self.seconds[-1]
         return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
 
-    def cycle(self, L: int) -> float:
-        return self.verify(L) + (self.draft_seconds + self.draft_per_token * (L - 1) if L > 1 else 0.0)
+    def row(self, params: Optional[SamplingParams]) -> float:
+        if params is None or params.greedy:
+            return 0.0
+        return self.filtered_row if params.top_p < 1.0 or params.top_k > 0 else self.sample_row
+
+    def cycle(self, L: int, params: Optional[SamplingParams] = None) -> float:
+        """One cycle of width L: verify, draft, and a distribution per target and drafter position."""
+        drafting = self.draft_seconds + self.draft_per_token * (L - 1) if L > 1 else 0.0
+        return self.verify(L) + drafting + (2 * L - 1) * self.row(params)
 
 
 @dataclass
@@ -92,31 +110,36 @@ class AcceptanceEstimate:
 
 
 class WidthChooser:
-    def __init__(self, cost: CostModel, max_width: int, probe_every: int = 16, prior: float = 0.5):
+    def __init__(self, cost: CostModel, max_width: int, probe_every: int = 16, prior: float = 0.5,
+                 max_probe_every: int = 128):
         self.cost = cost
         self.max_width = max_width
         self.acceptance = AcceptanceEstimate(max_width, prior=prior)
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
         self._plain_run = 0
+        self._probe_interval = probe_every
 
-    def throughput(self, L: int) -> float:
-        return self.acceptance.expected_committed(L) / self.cost.cycle(L)
+    def throughput(self, L: int, params: Optional[SamplingParams] = None) -> float:
+        return self.acceptance.expected_committed(L) / self.cost.cycle(L, params)
 
-    def best(self, limit: Optional[int] = None) -> int:
+    def best(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None) -> int:
         widths = range(1, min(self.max_width, limit or self.max_width) + 1)
-        return max(widths, key=self.throughput)
+        return max(widths, key=lambda L: self.throughput(L, params))
 
-    def choose(self, limit: Optional[int] = None) -> int:
+    def choose(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None) -> int:
         """The width for the next cycle (1 = plain); `limit` caps it (tokens left)."""
-        width = self.best(limit)
-        if width == 1:
-            self._plain_run += 1
-            if self._plain_run >= self.probe_every:  # look again: the text may have become predictable
-                self._plain_run = 0
-                return max(2, min(self.max_width, limit or self.max_width, 4))
-        else:
-            self._plain_run = 0
-        return width
+        width = self.best(limit, params)
+        if width > 1:
+            self._plain_run, self._probe_interval = 0, self.probe_every
+            return width
+        self._plain_run += 1
+        if self._plain_run < self._probe_interval:
+            return 1
+        # look again, the text may have become predictable; if it has not, wait longer next time
+        self._plain_run = 0
+        self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+        return max(2, min(self.max_width, limit or self.max_width, 4))
 
     def observe(self, width: int, accepted: int) -> None:
         self.acceptance.observe(width, accepted)
@@ -159,8 +182,17 @@ def measure_costs(target, draft, context: int = 128, widths: Sequence[int] = PRO
         mx.eval(draft(mx.full((1, w), draft.mask_token_id, dtype=mx.int32), dcache))
         return time.perf_counter() - tic
 
+    rows = mx.random.normal((SAMPLE_ROWS, target.vocab_size))
+    mx.eval(rows)
+
+    def row_seconds(params: SamplingParams) -> float:
+        tic = time.perf_counter()
+        mx.eval(probabilities(rows, params))
+        return (time.perf_counter() - tic) / SAMPLE_ROWS
+
     times = {w: [] for w in widths}
     drafts = {w: [] for w in draft_widths}
+    sampling = {p: [] for p in SAMPLING_PROBES}
     for attempt in range(repeats + 1):  # the first round warms up
         for w in widths:
             seconds = verify_seconds(w)
@@ -170,12 +202,18 @@ def measure_costs(target, draft, context: int = 128, widths: Sequence[int] = PRO
             seconds = draft_seconds(w)
             if attempt:
                 drafts[w].append(seconds)
+        for p in SAMPLING_PROBES:
+            seconds = row_seconds(p)
+            if attempt:
+                sampling[p].append(seconds)
     verify = monotone([median(times[w]) for w in widths])
+    sample_row, filtered_row = (median(sampling[p]) for p in SAMPLING_PROBES)
     if not drafts:
-        return CostModel(list(widths), verify, 0.0)
+        return CostModel(list(widths), verify, 0.0, 0.0, sample_row, filtered_row)
     short, full = median(drafts[draft_widths[0]]), median(drafts[draft_widths[-1]])
     per_token = max(0.0, (full - short) / max(1, draft_widths[-1] - 2))
-    return CostModel(list(widths), verify, short - per_token, per_token)
+    return CostModel(list(widths), verify, short - per_token, per_token, sample_row, filtered_row)
+
 
 
 def monotone(values: list[float]) -> list[float]:
@@ -191,7 +229,7 @@ def monotone(values: list[float]) -> list[float]:
 
 def cached_costs(key: str, measure, cache_root: Path) -> CostModel:
     """The cost model stored for (`key`, this machine), measured and stored on first use."""
-    name = f"{key}-{machine_key()}-v2".replace("/", "_").replace(" ", "_")  # v2: per-token draft cost
+    name = f"{key}-{machine_key()}-v3".replace("/", "_").replace(" ", "_")  # v3: sampling cost per position
     path = cache_root / "costs" / f"{name}.json"
     if path.is_file():
         return CostModel(**json.loads(path.read_text()))

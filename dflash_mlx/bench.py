@@ -2,12 +2,14 @@
 
 For every prompt, after a warm-up, the baseline (mlx-lm's own stream_generate on
 the same weights) and DFlash run back to back, greedy and/or sampled.  Speedup is
-the ratio of time per output token; medians are reported per set and overall.
+the ratio of time per output token, both timed by this loop from the first
+token on; medians are reported per set and overall.
 """
 
 import json
 import platform
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -40,23 +42,31 @@ class Run:
     cycles: int = 0
 
 
+def _timed(responses):
+    """The last response and the generation speed, timed here the same way for both
+    decoders: tokens after the first response over the time after it."""
+    first = last = None
+    for last in responses:
+        if first is None:
+            first = (time.perf_counter(), last.generation_tokens)
+    seconds, tokens = time.perf_counter() - first[0], last.generation_tokens - first[1]
+    return last, tokens / seconds if tokens else 0.0
+
+
 def _plain(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed) -> Run:
     mx.random.seed(seed)
     sampler = make_sampler(**SAMPLED) if mode == "sampled" else None
     mx.reset_peak_memory()
-    last = None
-    for last in mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
-        pass
-    return Run("", 0, "plain", mode, last.generation_tokens, last.generation_tps, last.prompt_tps,
-               mx.get_peak_memory() / 1e9)
+    last, tps = _timed(mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens,
+                                           sampler=sampler))
+    return Run("", 0, "plain", mode, last.generation_tokens, tps, last.prompt_tps, mx.get_peak_memory() / 1e9)
 
 
 def _dflash(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed, block_size) -> Run:
     options = dict(temp=SAMPLED["temp"], top_p=SAMPLED["top_p"]) if mode == "sampled" else {}
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens, seed=seed, block_size=block_size, **options):
-        pass
-    return Run("", 0, "dflash", mode, last.generation_tokens, last.generation_tps, last.prompt_tps,
+    last, tps = _timed(stream_generate(model, tokenizer, prompt, max_tokens, seed=seed, block_size=block_size,
+                                       **options))
+    return Run("", 0, "dflash", mode, last.generation_tokens, tps, last.prompt_tps,
                last.peak_memory, last.tau, last.acceptance_histogram, sum(w == 1 for w in last.widths),
                len(last.widths))
 

@@ -5,12 +5,14 @@
       draft     [last token, mask x (w-1)] -> w-1 tokens, one drafter pass
       verify    [last token] + draft       -> logits + features, one target pass
       accept    longest agreeing prefix (n tokens) + one token from the target
-      roll back target caches to the n+1 tokens kept; inject their features
+      roll back target caches to the n+1 tokens kept; their features go to the drafter
 
 Without a drafter the same loop runs with w = 1: plain target decoding.  With a
 WidthChooser (adaptive.py) and no fixed block size, w is chosen every cycle.
 Consecutive plain cycles are pipelined (the next pass is queued before the
-current token is read), as in mlx-lm's generate_step.
+current token is read), as in mlx-lm's generate_step.  The drafter reads the
+target's features only when it drafts, so they are injected then, all the
+positions since its last draft in one pass (`Context`).
 """
 
 import time
@@ -23,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from .adaptive import WidthChooser
 from .draft import DFlashDraftModel
-from .sampling import SamplingParams, accept, propose
+from .sampling import SamplingParams, accept, propose, sample
 from .target import Target, TargetCache
 
 PREFILL_STEP = 512
@@ -79,41 +81,61 @@ class Step:
     accepted: int  # how many of them were draft tokens
 
 
-def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, dcache) -> mx.array:
+class Context:
+    """The drafter's cache of injected target features, plus the features of
+    positions committed since its last draft (injected when it next drafts:
+    one batched pass instead of one per plain step)."""
+
+    def __init__(self, model: DFlashModel):
+        self.draft = model.draft
+        self.cache = model.draft.make_cache() if model.draft is not None else None
+        self.pending: list[mx.array] = []
+
+    def add(self, features: Optional[mx.array]):
+        if self.draft is not None:
+            self.pending.append(features)
+
+    def flush(self) -> list:
+        """Inject what is pending; the drafter cache, ready to draft."""
+        if self.pending:
+            features = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=1)
+            self.draft.add_context(features, self.cache)
+            self.pending = []
+        return self.cache
+
+
+def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context) -> mx.array:
     """Run the prompt through the target in chunks; return the last position's logits."""
     layers = model.feature_layers
     for start in range(0, prompt.size, PREFILL_STEP):
         chunk = prompt[None, start : start + PREFILL_STEP]
         last = start + PREFILL_STEP >= prompt.size
         logits, features = model.target(chunk, tcache, layers, logits_for_last_only=True)
-        if model.draft is not None:
-            model.draft.add_context(features, dcache)
-        mx.eval(logits, _arrays([c.state for c in tcache.layers]), _arrays([c.state for c in dcache or []]))
+        context.add(features)
+        mx.eval(logits, _arrays([c.state for c in tcache.layers]), _arrays([c.state for c in context.flush() or []]))
         if not last:
             mx.clear_cache()
-    return logits[0, -1:]
+    return logits[0, -1]
 
 
 def _arrays(tree) -> list[mx.array]:
     return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
 
 
-def draft(model: DFlashModel, last: mx.array, dcache, width: int, params: SamplingParams):
-    """Propose width-1 tokens after `last` in one drafter pass."""
-    if width == 1:
-        return mx.zeros((0,), dtype=mx.int32), None
+def draft(model: DFlashModel, last: mx.array, context: Context, width: int, params: SamplingParams):
+    """Propose width-1 >= 1 tokens after `last` in one drafter pass."""
     mask = mx.full((width - 1,), model.draft.mask_token_id, dtype=mx.int32)
     block = mx.concatenate([last.reshape(1).astype(mx.int32), mask])[None]
-    return propose(model.draft(block, dcache)[0], params)
+    return propose(model.draft(block, context.flush())[0], params)
 
 
-def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, dcache, params: SamplingParams) -> mx.array:
+def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, context: Context,
+               params: SamplingParams) -> mx.array:
     """One target pass over `last` alone (nothing to verify or roll back): the next token, lazily.
-    The drafter still receives the position's features, for the cycles that draft."""
+    The position's features are kept for the drafter."""
     logits, features = model.target(last.reshape(1, 1).astype(mx.int32), tcache, model.feature_layers)
-    if model.draft is not None:
-        model.draft.add_context(features, dcache)
-    return accept(mx.zeros((0,), dtype=mx.int32), logits[0], None, params)[1]
+    context.add(features)
+    return sample(logits[0, -1], params)
 
 
 def verify(model: DFlashModel, last: mx.array, proposal: mx.array, tcache: TargetCache):
@@ -139,11 +161,10 @@ def decode(
     stats = stats if stats is not None else DecodeStats()
     stats.block_size = width
     tcache = model.target.make_cache()
-    dcache = model.draft.make_cache() if model.draft is not None else None
+    context = Context(model)
 
     tic = time.perf_counter()
-    last_logits = prefill(model, prompt, tcache, dcache)
-    _, token = accept(mx.zeros((0,), dtype=mx.int32), last_logits, None, params)
+    token = sample(prefill(model, prompt, tcache, context), params)
     token = mx.array(token.item())
     stats.prompt_seconds = time.perf_counter() - tic
     tic = time.perf_counter()
@@ -151,14 +172,14 @@ def decode(
     produced = 1
 
     def choose(limit: int) -> int:
-        return model.chooser.choose(limit) if adaptive else min(width, limit)
+        return model.chooser.choose(limit, params) if adaptive else min(width, limit)
 
     queued, decided = None, None  # a plain step already in flight; a width chosen ahead
     while produced < max_tokens:
         left = max_tokens - produced
         w, decided = decided or choose(left), None
         if w == 1:
-            next_token = queued if queued is not None else plain_step(model, token, tcache, dcache, params)
+            next_token = queued if queued is not None else plain_step(model, token, tcache, context, params)
             # A plain cycle teaches the chooser nothing, so the next width is known
             # before this token is: queue the next plain step now, and the graph of
             # step t+1 is built while step t computes.
@@ -166,11 +187,11 @@ def decode(
             if left > 1:
                 decided = choose(left - 1)
                 if decided == 1:
-                    queued = plain_step(model, next_token, tcache, dcache, params)
+                    queued = plain_step(model, next_token, tcache, context, params)
                     mx.async_eval(queued)
             n, committed = 0, [next_token.item()]
         else:
-            proposal, q = draft(model, token, dcache, w, params)
+            proposal, q = draft(model, token, context, w, params)
             logits, features = verify(model, token, proposal, tcache)
             n, next_token = accept(proposal, logits, q, params)
             mx.eval(n, next_token, proposal)
@@ -178,7 +199,7 @@ def decode(
             if adaptive:
                 model.chooser.observe(w, n)
             tcache.rollback(n + 1)
-            model.draft.add_context(features[:, : n + 1], dcache)
+            context.add(features[:, : n + 1])
             committed = proposal[:n].tolist() + [next_token.item()]
         token = next_token
         produced += len(committed)

@@ -8,6 +8,7 @@ resample from max(0, p - q)) keeps the output distributed exactly as p.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
@@ -32,15 +33,32 @@ class SamplingParams:
         return self.temp == 0
 
 
-def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Sampling distribution (float32) over the last axis of `logits`."""
+def _filtered_logprobs(logits: mx.array, top_p: float, top_k: int) -> mx.array:
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    if params.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    if 0 < params.top_k < logprobs.shape[-1]:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    return mx.softmax(logprobs / params.temp, axis=-1)
+    if top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    if 0 < top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, top_k)
+    return logprobs
+
+
+def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Sampling distribution (float32) over the last axis of `logits`."""
+    return mx.softmax(_filtered_logprobs(logits, params.top_p, params.top_k) / params.temp, axis=-1)
+
+
+@partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+def _sample_row(logits: mx.array, temp: float, top_p: float, top_k: int) -> mx.array:
+    return mx.random.categorical(_filtered_logprobs(logits, top_p, top_k) * (1.0 / temp))
+
+
+def sample(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The next token from the target's logits at one position (plain decoding):
+    one fused graph, as cheap as mlx-lm's own sampler."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1)
+    return _sample_row(logits, params.temp, params.top_p, params.top_k)
 
 
 def propose(draft_logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array | None]:
@@ -54,9 +72,10 @@ def propose(draft_logits: mx.array, params: SamplingParams) -> tuple[mx.array, m
 def accept(
     draft: mx.array, target_logits: mx.array, q: mx.array | None, params: SamplingParams
 ) -> tuple[mx.array, mx.array]:
-    """How many of the k draft tokens the target keeps, and the token after them.
+    """How many of the k >= 1 draft tokens the target keeps, and the token after them.
 
-    `target_logits` (k+1, V) are the target's logits at [last token] + draft.
+    `target_logits` (k+1, V) are the target's logits at [last token] + draft;
+    `q` (k, V) the drafter's proposal distributions (None when greedy).
     Returns device scalars (n_accepted, next_token) so the caller syncs once.
     """
     if params.greedy:
@@ -65,8 +84,6 @@ def accept(
         return n, choice[n]
 
     p = probabilities(target_logits, params)
-    if q is None:  # plain decoding: nothing was drafted
-        return mx.array(0), mx.random.categorical(mx.log(p[-1]))
     p_draft = mx.take_along_axis(p[:-1], draft[:, None], axis=-1)[:, 0]
     q_draft = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
     keep = mx.random.uniform(shape=p_draft.shape) * q_draft < p_draft

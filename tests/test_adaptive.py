@@ -59,12 +59,32 @@ def test_matches_brute_force_on_random_profiles():
 
 def test_falls_back_to_plain_decoding_and_probes_now_and_then():
     chooser = chooser_with([0.05] * 16, cpu_like())
-    widths = [chooser.choose() for _ in range(32)]
-    assert widths.count(1) == 30 and all(w > 1 for w in widths if w != 1)
+    widths = [chooser.choose() for _ in range(16 + 32 + 64 + 128 + 128)]
+    probes = [i + 1 for i, w in enumerate(widths) if w > 1]
+    # probes that change nothing are spaced further apart, up to every 128 cycles
+    assert probes == [16, 16 + 32, 16 + 32 + 64, 16 + 32 + 64 + 128, 16 + 32 + 64 + 128 + 128]
+    # once drafting pays again, the spacing is back to the start
+    chooser.acceptance.hits = [0.9e6] * 16
+    assert chooser.choose() > 1
+    chooser.acceptance.hits = [0.05e6] * 16
+    assert [chooser.choose() for _ in range(16)].index(4) == 15
     # a moderately good drafter on the same machine gets a middle width
     assert 2 < chooser_with([0.7] * 16, cpu_like()).choose() < 16
     # the number of tokens left caps the width
     assert chooser_with([0.99] * 16, cpu_like()).choose(limit=3) == 3
+
+
+def test_sampling_cost_counts_every_verified_and_drafted_position():
+    """Top-p sorts the vocabulary once per position (2L-1 positions per cycle of width L):
+    a width that pays when greedy may not when sampling."""
+    cost = cpu_like()
+    cost.filtered_row, cost.sample_row = 0.02, 0.001
+    top_p, temp_only = SamplingParams(temp=0.7, top_p=0.95), SamplingParams(temp=0.7)
+    assert cost.cycle(4, top_p) == pytest.approx(cost.cycle(4) + 7 * 0.02)
+    assert cost.cycle(1, temp_only) == pytest.approx(cost.cycle(1) + 0.001)
+    assert cost.cycle(8, SamplingParams()) == cost.cycle(8)
+    chooser = chooser_with([0.5] * 16, cost)
+    assert chooser.best() > 1 and chooser.best(params=top_p) == 1
 
 
 def test_acceptance_estimate_learns_conditional_rates():
@@ -104,6 +124,7 @@ def test_measure_costs_gives_a_rising_curve():
     assert all(s > 0 for s in cost.seconds) and cost.draft_per_token >= 0
     assert cost.seconds == sorted(cost.seconds)
     assert cost.cycle(2) > cost.verify(2) and cost.cycle(16) - cost.verify(16) >= cost.cycle(2) - cost.verify(2)
+    assert cost.filtered_row > cost.sample_row > 0  # the top-p sort costs more than a softmax
 
 
 def test_drafter_cost_grows_with_the_block():

@@ -79,6 +79,15 @@ def test_dflash_samples_follow_the_target_distribution(pair, params):
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
+def test_plain_decoding_samples_follow_the_target_distribution(pair):
+    """The pipelined plain path (the fused sampler, used whenever drafting does not pay)."""
+    target, _ = pair
+    params = SamplingParams(temp=0.7, top_p=0.9, top_k=4)
+    joint = exact_joint(target, params)
+    counts = sample_joint(DFlashModel(target), params, n=2500, seed=1)
+    assert chi_square_p_value(counts, joint) > 1e-3
+
+
 def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
     """Negative control: accepting every draft token must fail the same test."""
     target, draft = pair
