@@ -84,7 +84,7 @@ def generate(
 def make_data(
     out: str = typer.Option(..., "--out", "-o", help="Data directory (resumes if it exists)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
-    prompts: str = typer.Option("builtin", "--prompts", help="'builtin', a .txt (one per line) or .jsonl ({\"prompt\": ...}) file."),
+    prompts: str = typer.Option("builtin", "--prompts", help="'builtin' (or 'builtin:SEED' for another draw), a .txt (one per line) or .jsonl ({\"prompt\": ...}) file."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Longest response per prompt."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Stop after about this many response tokens."),
     batch_size: int = typer.Option(64, "--batch-size", help="Prompts generated together (batched decoding)."),

@@ -1,15 +1,19 @@
 """Training prompts: a builtin offline set, or the user's own file.
 
 The builtin set is generated here from our own templates and word lists
-(Apache-2.0, this repository) plus the first sentence of Python standard-library
-docstrings (PSF licence, read from the running interpreter).  It never reads a
-benchmark set, so it is disjoint from HumanEval, MT-Bench, GSM8K, MATH-500 and
-AIME by construction; `bench/` also checks for overlap.
+(Apache-2.0, this repository) plus Python standard-library function signatures
+and docstrings (PSF licence, read from the running interpreter).  It never reads
+a benchmark set, so it is disjoint from HumanEval, MT-Bench, GSM8K, MATH-500 and
+AIME by construction; `tests/test_prompts.py` also checks for overlap.
+`builtin:N` draws another set from seed N (new numbers, names and pairings; the
+fixed families repeat and are skipped by `make-data` as already done).
 """
 
+import importlib
 import inspect
 import json
 import random
+import textwrap
 from pathlib import Path
 
 BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -63,6 +67,15 @@ CODE_TASKS = [
     "chunks a list into pieces of size n", "computes the running total of a list", "counts the lines in a text file",
     "validates a simple email address", "converts a dictionary to a list of key-value tuples sorted by value",
 ]
+STUB_MODULES = ["string", "textwrap", "statistics", "bisect", "heapq", "fnmatch", "difflib", "calendar", "shlex",
+                "html", "base64", "colorsys", "random", "posixpath", "json", "re", "urllib.parse", "copy", "glob",
+                "shutil", "datetime", "fractions", "ipaddress", "csv", "uuid", "secrets", "pprint", "graphlib",
+                "tokenize", "quopri", "mimetypes", "tempfile", "filecmp", "platform", "dataclasses", "inspect",
+                "ast", "traceback", "linecache", "getopt", "optparse", "gettext", "email.utils", "zipfile"]
+STUB_FRAMES = ["Complete the following Python function:\n```python\n{stub}```",
+               "Implement this function in Python (do not import {module}), then show one example call.\n"
+               "```python\n{stub}```",
+               "Here is a Python function signature with its docstring. Write the body.\n```python\n{stub}```"]
 STDLIB_MODULES = ["string", "textwrap", "itertools", "functools", "statistics", "math", "bisect", "heapq",
                   "fnmatch", "difflib", "calendar", "shlex", "html", "base64", "colorsys", "operator", "random"]
 
@@ -88,6 +101,69 @@ def _math(rng: random.Random) -> str:
     return question + (" " + BOXED if rng.random() < 0.6 else "")
 
 
+def _word_problem(rng: random.Random) -> str:
+    """Multi-step arithmetic stories."""
+    n1, n2 = rng.sample(NAMES, 2)
+    item = rng.choice(ITEMS)
+    a, b, c, d = rng.randint(4, 40), rng.randint(2, 25), rng.randint(2, 12), rng.randint(1, 9)
+    pct = rng.choice([10, 20, 25, 30, 40, 50])
+    templates = [
+        f"{n1} earns ${a} per hour and works {b} hours a week. Rent is ${c * 40} a week and food is ${c * 12}. "
+        f"How much does {n1} save in {d + 1} weeks?",
+        f"A shop sold {a} {item} on Saturday and twice as many on Sunday, at ${c} each. "
+        f"How much money did the shop make over the weekend?",
+        f"{n1} is {a} years old. {n2} is {d} years older than twice {n1}'s age. How old will {n2} be in {b} years?",
+        f"A farm has {a} chickens and {b} cows. How many legs are there on the farm?",
+        f"{n1} ran {b} km on Monday and {pct}% more on Tuesday than on Monday. How far did {n1} run on the two days?",
+        f"A recipe uses {d + 1} eggs for every {c} pancakes. How many eggs are needed for {c * b} pancakes?",
+        f"{n1} bought {a} notebooks at ${c} each and {b} pens at ${d} each, with {pct}% off the total. "
+        f"How much did {n1} pay?",
+        f"A tank holds {a * 10} liters. Water flows in at {c + d} liters per minute and leaks out at {d} liters "
+        f"per minute. How many minutes does it take to fill the empty tank?",
+        f"{n1} has {a} {item}, {n2} has {b} fewer than three times as many. They put them together and give away "
+        f"{pct}% of the total. How many {item} are left?",
+        f"A class of {a + 10} students went on a trip. Each bus holds {c + 8} students and costs ${b * 10}. "
+        f"How much did the buses cost?",
+    ]
+    return rng.choice(templates) + (" " + BOXED if rng.random() < 0.5 else "")
+
+
+def _competition(rng: random.Random) -> str:
+    """Short contest-style questions."""
+    a, b, c = rng.randint(2, 30), rng.randint(2, 12), rng.randint(3, 17)
+    n = rng.randint(20, 500)
+    templates = [
+        f"How many positive divisors does {n} have?",
+        f"What is the remainder when {a}^{b} is divided by {c}?",
+        f"Compute the sum of the first {a} positive odd integers.",
+        f"Find all real x such that x^2 - {a + b}x + {a * b} = 0.",
+        f"What is the greatest common divisor of {a * c} and {b * c}?",
+        f"How many integers between 1 and {n} are divisible by {b} or {c}?",
+        f"If f(x) = {b}x + {a}, what is f(f({c}))?",
+        f"Count the seatings of {min(a, 9)} guests on one bench when two particular guests insist on adjacent seats.",
+        f"What is the sum of the interior angles of a polygon with {c} sides, in degrees?",
+        f"A circle has circumference {2 * a}\\pi. What is its area?",
+    ]
+    return rng.choice(templates) + " " + BOXED
+
+
+def _code_stubs(rng: random.Random) -> list[str]:
+    """Function signatures with their docstrings, to be completed."""
+    stubs = []
+    for module_name in STUB_MODULES:
+        module = importlib.import_module(module_name)
+        for name, fn in sorted(vars(module).items()):
+            if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+                continue
+            doc = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
+            signature = str(inspect.signature(fn))
+            if not 20 <= len(doc) <= 400 or '"""' in doc or "\\" in doc or " at 0x" in signature:
+                continue
+            stub = f"def {name}{signature}:\n" + textwrap.indent(f'"""{doc}\n"""', "    ") + "\n"
+            stubs.append(rng.choice(STUB_FRAMES).format(stub=stub, module=module_name))
+    return stubs
+
+
 def _stdlib_tasks() -> list[str]:
     tasks = []
     for module_name in STDLIB_MODULES:
@@ -111,6 +187,9 @@ def builtin_prompts(seed: int = 0) -> list[str]:
     prompts += [f"Write a Python function that {task}, with a docstring and an example." for task in CODE_TASKS]
     prompts += _stdlib_tasks()
     prompts += [_math(rng) for _ in range(260)]
+    prompts += [_word_problem(rng) for _ in range(200)]
+    prompts += [_competition(rng) for _ in range(100)]
+    prompts += _code_stubs(rng)
     for _ in range(140):
         prompts.append(rng.choice(WRITING).format(n=rng.choice(NAMES), i=rng.choice(ITEMS), t=rng.choice(TOPICS),
                                                   p=rng.choice(PLACES), d=rng.choice(DAYS)))
@@ -120,9 +199,12 @@ def builtin_prompts(seed: int = 0) -> list[str]:
 
 
 def read_prompts(source: str) -> list[str]:
-    """'builtin', a .txt file (one prompt per line) or .jsonl ({"prompt": ...} per line)."""
-    if source == "builtin":
-        return builtin_prompts()
+    """'builtin' (or 'builtin:SEED'), a .txt file (one prompt per line) or .jsonl ({"prompt": ...} per line)."""
+    if source == "builtin" or source.startswith("builtin:"):
+        seed = source.partition(":")[2]
+        if seed and not seed.isdigit():
+            raise ValueError(f"{source!r}: the builtin seed must be a number, as in builtin:1")
+        return builtin_prompts(int(seed or 0))
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"no prompts file at {source}; pass a .txt/.jsonl file or 'builtin'")

@@ -17,11 +17,20 @@ def shingles(text: str) -> set:
 
 def test_builtin_prompts_share_no_8_word_span_with_benchmarks():
     train = builtin_prompts()
-    assert len(train) > 500 and len(set(train)) == len(train)
+    assert len(train) > 1000 and len(set(train)) == len(train)
+    train += [p for p in builtin_prompts(1) if p not in set(train)]
     bench = set().union(*(shingles(p) for name in SETS for p in load_prompts(name)))
     assert len(bench) > 10000  # the sets really were read
     overlapping = [p for p in train if shingles(p) & bench]
     assert not overlapping, overlapping[:3]
+
+
+def test_builtin_seeds_draw_new_prompts():
+    assert read_prompts("builtin") == builtin_prompts(0)
+    again = read_prompts("builtin:1")
+    assert again == builtin_prompts(1) and len(set(again) - set(builtin_prompts(0))) > 500
+    with pytest.raises(ValueError, match="builtin:1"):
+        read_prompts("builtin:x")
 
 
 def test_prompt_files(tmp_path):
