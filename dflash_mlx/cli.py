@@ -146,6 +146,30 @@ def fit(
     typer.echo(f"drafter in {out}")
 
 
+@train_app.command("eval")
+def evaluate(
+    data: str = typer.Option(..., "--data", "-d", help="Data dir: its last --prompts examples are the held-out set."),
+    draft: str = typer.Option(..., "--draft", help="Drafter dir to evaluate."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
+    prompts: int = typer.Option(8, "--prompts", help="Held-out examples (as in fit)."),
+    max_tokens: int = typer.Option(96, "--max-tokens"),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Fixed width (default: the drafter's block)."),
+):
+    """Held-out tau of a drafter: greedy, the real decode loop, fixed width."""
+    from .api import load
+    from .data import read_data, target_fingerprint
+    from .train import evaluate_tau, split_held_out
+
+    try:
+        pair, tokenizer = load(model, draft, adaptive=False)
+        examples = read_data(data, target_fingerprint(pair.target, tokenizer))
+        held_out, _ = split_held_out(examples, prompts)
+        tau = evaluate_tau(pair.target, pair.draft, [e.prompt_ids for e in held_out], max_tokens, block_size)
+    except USER_ERRORS as e:
+        fail(str(e).strip("'\""))
+    typer.echo(f"held-out tau {tau:.3f} ({len(held_out)} prompts, block {block_size or pair.draft.block_size}, greedy)")
+
+
 @app.command()
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: offline SmolLM2 + its drafter)."),

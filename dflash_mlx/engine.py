@@ -123,7 +123,7 @@ def _arrays(tree) -> list[mx.array]:
 
 
 def draft(model: DFlashModel, last: mx.array, context: Context, width: int, params: SamplingParams):
-    """Propose width-1 >= 1 tokens after `last` in one drafter pass."""
+    """Propose width - 1 tokens (width >= 2) after `last` in one drafter pass."""
     mask = mx.full((width - 1,), model.draft.mask_token_id, dtype=mx.int32)
     block = mx.concatenate([last.reshape(1).astype(mx.int32), mask])[None]
     return propose(model.draft(block, context.flush())[0], params)

@@ -281,6 +281,11 @@ def loss_fn(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead):
 # ---------------------------------------------------------------- evaluation
 
 
+def split_held_out(examples: list[Example], n: int) -> tuple[list[Example], list[Example]]:
+    """(held out, training): the last `n` examples of a data dir are never trained on."""
+    return examples[-n:], examples[:-n]
+
+
 def evaluate_tau(target: Target, draft: DFlashDraftModel, prompts: list[list[int]], max_tokens: int,
                  block_size: Optional[int] = None) -> float:
     """Mean accepted tokens per cycle in the real greedy decode loop."""
@@ -352,7 +357,7 @@ def fit(
         state = TrainState()
     draft.train()
 
-    held_out, train_set = examples[-cfg.eval_prompts:], examples[: -cfg.eval_prompts]
+    held_out, train_set = split_held_out(examples, cfg.eval_prompts)
     layer_ids = draft.target_layer_ids
     cache_file = feature_cache_dir / f"features-{_data_key(train_set, layer_ids)}.safetensors" if feature_cache_dir else None
     features = compute_features(target, train_set, layer_ids, cache_file, show_progress)

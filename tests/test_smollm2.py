@@ -104,3 +104,17 @@ def test_shipped_drafter_loads_by_default_and_is_lossless(smollm2, target, promp
         out, stats = dflash(target, drafter, prompt, 32)
         assert out == plain(target, prompt, 32)
         assert stats.tau > 1.0  # it accepts something: a trained drafter, not a random one
+
+
+def test_cli_evaluates_a_drafter_on_held_out_data():
+    from pathlib import Path
+
+    from dflash_mlx.registry import DEFAULT_DRAFT
+
+    data = Path(__file__).parent.parent / "data" / "smollm2-135m"
+    result = runner.invoke(app, ["train", "eval", "--data", str(data), "--draft", str(DEFAULT_DRAFT),
+                                 "--prompts", "1", "--max-tokens", "16"])
+    assert result.exit_code == 0, result.output
+    assert float(result.output.split("held-out tau ")[1].split()[0]) >= 1.0
+    missing = runner.invoke(app, ["train", "eval", "--data", str(data), "--draft", "./missing-drafter"])
+    assert missing.exit_code != 0 and "missing-drafter" in missing.output and "Traceback" not in missing.output
