@@ -55,6 +55,13 @@ class CostModel:
         w0, w1, s0, s1 = self.widths[-2], self.widths[-1], self.seconds[-2], self.seconds[-1]
         return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
 
+    def describe(self) -> str:
+        shown = [w for w in self.widths if w & (w - 1) == 0]  # powers of two
+        return (f"verify {'/'.join(map(str, shown))} tokens = "
+                f"{'/'.join(f'{1e3 * self.verify(w):.0f}' for w in shown)} ms; "
+                f"drafter {1e3 * self.draft_seconds:.1f} ms + {1e3 * self.draft_per_token:.2f} ms/token; "
+                f"sampling {1e3 * self.sample_row:.1f} ms/position ({1e3 * self.filtered_row:.1f} with top-p/top-k)")
+
     def row(self, params: Optional[SamplingParams]) -> float:
         if params is None or params.greedy:
             return 0.0

@@ -67,6 +67,8 @@ def generate(
             if pair.draft is not None:
                 typer.echo(f"drafter: {len(pair.draft.layers)} layers, block {pair.draft.block_size}, "
                            f"target layers {pair.draft.target_layer_ids}", err=True)
+            if pair.chooser is not None:
+                typer.echo(f"adaptive width, this machine: {pair.chooser.cost.describe()}", err=True)
         tokens = format_prompt(tokenizer, prompt, system, chat_template=not no_chat_template)
         if verbose:
             typer.echo(tokenizer.decode(tokens), err=True)

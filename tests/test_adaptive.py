@@ -32,6 +32,7 @@ def test_cost_model_interpolates_and_extrapolates():
     assert cost.verify(3) == pytest.approx(2.5)
     assert cost.verify(6) == pytest.approx(4.0)
     assert cost.cycle(1) == pytest.approx(1.0) and cost.cycle(2) == pytest.approx(2.5)
+    assert cost.describe().startswith("verify 1/2/4 tokens = 1000/2000/3000 ms; drafter 500.0 ms")
 
 
 def test_cheap_verification_and_good_drafts_use_the_whole_block():
