@@ -8,6 +8,11 @@ uses the width L maximising
 
     E[committed | L] / T(L),   E[committed | L] = 1 + sum_{k<L} prod_{j<=k} a_j
 
+The curve is measured in isolation; a real drafting cycle also syncs, rolls
+back and breaks the plain-step pipeline.  So the engine reports each cycle's
+wall time and the chooser scales drafting costs by how much more (relative to
+plain cycles) they really take than the curve says.
+
 L = 1 is plain decoding.  When it wins, the engine decodes plainly but still
 drafts now and then so the estimate can recover; probes that keep failing are
 spaced further apart (16, 32, ... up to 128 cycles), as each costs more than a
@@ -126,9 +131,16 @@ class WidthChooser:
         self.max_probe_every = max_probe_every
         self._plain_run = 0
         self._probe_interval = probe_every
+        self._time_ratio = {False: 1.0, True: 1.0}  # measured / modelled cycle time: plain, drafting
+
+    @property
+    def drafting_penalty(self) -> float:
+        """How much costlier drafting cycles really are, relative to plain ones, than modelled."""
+        return self._time_ratio[True] / self._time_ratio[False]
 
     def throughput(self, L: int, params: Optional[SamplingParams] = None) -> float:
-        return self.acceptance.expected_committed(L) / self.cost.cycle(L, params)
+        seconds = self.cost.cycle(L, params) * (self.drafting_penalty if L > 1 else 1.0)
+        return self.acceptance.expected_committed(L) / seconds
 
     def best(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None) -> int:
         widths = range(1, min(self.max_width, limit or self.max_width) + 1)
@@ -150,6 +162,13 @@ class WidthChooser:
 
     def observe(self, width: int, accepted: int) -> None:
         self.acceptance.observe(width, accepted)
+
+    def observe_seconds(self, width: int, seconds: float, params: Optional[SamplingParams] = None,
+                        weight: float = 0.1) -> None:
+        """The wall time of a cycle just run (an exponential average per kind of cycle)."""
+        drafting = width > 1
+        ratio = seconds / self.cost.cycle(width, params)
+        self._time_ratio[drafting] += weight * (ratio - self._time_ratio[drafting])
 
 
 # ---------------------------------------------------------------- measuring the cost curve

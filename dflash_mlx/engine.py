@@ -176,6 +176,7 @@ def decode(
 
     queued, decided = None, None  # a plain step already in flight; a width chosen ahead
     while produced < max_tokens:
+        started = time.perf_counter()
         left = max_tokens - produced
         w, decided = decided or choose(left), None
         if w == 1:
@@ -201,6 +202,8 @@ def decode(
             tcache.rollback(n + 1)
             context.add(features[:, : n + 1])
             committed = proposal[:n].tolist() + [next_token.item()]
+        if adaptive:
+            model.chooser.observe_seconds(w, time.perf_counter() - started, params)
         token = next_token
         produced += len(committed)
         stats.accepted_lengths.append(len(committed))

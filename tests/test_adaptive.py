@@ -3,6 +3,7 @@ acceptance profile, falls back to plain decoding when drafting cannot pay, and
 keeps decoding lossless."""
 
 import random
+import time
 
 import mlx.core as mx
 import pytest
@@ -75,6 +76,25 @@ def test_falls_back_to_plain_decoding_and_probes_now_and_then():
     assert chooser_with([0.99] * 16, cpu_like()).choose(limit=3) == 3
 
 
+def test_measured_cycle_times_correct_the_cost_model():
+    """A drafting cycle that really takes 1.5x what the curve says (a sync, rollback, a broken
+    pipeline) stops paying; plain cycles slower than modelled make drafting look better."""
+    cost = cpu_like()
+    chooser = chooser_with([0.45] * 16, cost)
+    assert chooser.best() > 1
+    for _ in range(60):
+        chooser.observe_seconds(1, cost.cycle(1))
+        chooser.observe_seconds(4, 1.5 * cost.cycle(4))
+    assert chooser.drafting_penalty == pytest.approx(1.5, rel=0.01)
+    assert chooser.best() == 1
+    chooser = chooser_with([0.15] * 16, cost)
+    assert chooser.best() == 1
+    for _ in range(60):
+        chooser.observe_seconds(1, 1.3 * cost.cycle(1))
+        chooser.observe_seconds(2, cost.cycle(2))
+    assert chooser.best() > 1
+
+
 def test_sampling_cost_counts_every_verified_and_drafted_position():
     """Top-p sorts the vocabulary once per position (2L-1 positions per cycle of width L):
     a width that pays when greedy may not when sampling."""
@@ -105,7 +125,11 @@ def test_adaptive_decoding_is_lossless_and_adapts():
     target = tiny_target("llama", seed=5)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     reference = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=60)]
-    cost = cpu_like()
+    # a CPU-shaped curve at this tiny model's real speed (the chooser checks it against cycle times)
+    tic = time.perf_counter()
+    list(decode(DFlashModel(target), mx.array(prompt), SamplingParams(), 40))
+    step = (time.perf_counter() - tic) / 40
+    cost = cpu_like(base=step, draft=0.12 * step)
     for drafter, wide in [(random_draft(target, block_size=16), False),
                           (oracle_draft(target, prompt + reference + [0] * 16, block_size=16), True)]:
         model = DFlashModel(target, drafter, chooser=WidthChooser(cost, 16))
