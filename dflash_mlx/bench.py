@@ -2,9 +2,9 @@
 
 For every prompt, after a warm-up, the baseline (mlx-lm's own stream_generate on
 the same weights) and DFlash run back to back (which goes first alternates from
-prompt to prompt), greedy and/or sampled.  Speedup is
-the ratio of time per output token, both timed by this loop from the first
-token on; medians are reported per set and overall.
+prompt to prompt), greedy and/or sampled.  Speedup is the ratio of time per
+output token, both timed by this loop from the first token on; medians are
+reported per set and overall.
 """
 
 import json

@@ -162,6 +162,8 @@ def evaluate(
     from .data import read_data, target_fingerprint
     from .train import evaluate_tau, split_held_out
 
+    if prompts <= 0 or max_tokens <= 0:
+        fail("--prompts and --max-tokens must be > 0")
     try:
         pair, tokenizer = load(model, draft, adaptive=False)
         examples = read_data(data, target_fingerprint(pair.target, tokenizer))

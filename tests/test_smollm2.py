@@ -118,3 +118,5 @@ def test_cli_evaluates_a_drafter_on_held_out_data():
     assert float(result.output.split("held-out tau ")[1].split()[0]) >= 1.0
     missing = runner.invoke(app, ["train", "eval", "--data", str(data), "--draft", "./missing-drafter"])
     assert missing.exit_code != 0 and "missing-drafter" in missing.output and "Traceback" not in missing.output
+    empty = runner.invoke(app, ["train", "eval", "--data", str(data), "--draft", str(DEFAULT_DRAFT), "--prompts", "0"])
+    assert empty.exit_code != 0 and "--prompts" in empty.output and "Traceback" not in empty.output
