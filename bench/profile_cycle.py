@@ -22,7 +22,7 @@ from dflash_mlx import format_prompt, load
 from dflash_mlx.benchmarks import load_prompts
 from dflash_mlx.engine import Context, draft, prefill, verify
 from dflash_mlx.progress import add_task, progress
-from dflash_mlx.sampling import SamplingParams, accept, sample
+from dflash_mlx.sampling import SamplingParams, accept, choose
 
 PHASES = ("draft", "verify", "accept", "rollback", "python")
 
@@ -30,18 +30,18 @@ PHASES = ("draft", "verify", "accept", "rollback", "python")
 def profile_width(model, prompt: mx.array, width: int, cycles: int) -> tuple[dict[str, list[float]], list[int]]:
     params = SamplingParams()
     tcache, context = model.target.make_cache(), Context(model)
-    token = sample(prefill(model, prompt, tcache, context), params)
+    token = choose(prefill(model, prompt, tcache, context), params, None)
     times = {phase: [] for phase in PHASES}
     committed_per_cycle = []
     for _ in range(cycles):
         marks = [time.perf_counter()]
-        proposal, q = draft(model, token, context, width, params)
+        proposal = draft(model, token, context, width, params, None)
         mx.eval(proposal)
         marks.append(time.perf_counter())
         logits, features = verify(model, token, proposal, tcache)
         mx.eval(logits, features)
         marks.append(time.perf_counter())
-        n, next_token = accept(proposal, logits, q, params)
+        n, next_token = accept(proposal, choose(logits, params, None))
         n = n.item()
         marks.append(time.perf_counter())
         tcache.rollback(n + 1)

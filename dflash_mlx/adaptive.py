@@ -30,7 +30,9 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .sampling import SamplingParams, probabilities
+from .progress import console
+from .sampling import Noise, SamplingParams, choose
+from .storage import atomic_write
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SAMPLE_ROWS = 8
@@ -50,6 +52,17 @@ class CostModel:
     draft_per_token: float = 0.0
     sample_row: float = 0.0
     filtered_row: float = 0.0
+
+    @classmethod
+    def from_dict(cls, stored: dict) -> "CostModel":
+        """A stored cost model, checked (a cache file may be truncated or foreign)."""
+        cost = cls(**stored)
+        numbers = [cost.draft_seconds, cost.draft_per_token, cost.sample_row, cost.filtered_row, *cost.seconds]
+        if not (isinstance(cost.widths, list) and cost.widths and len(cost.widths) == len(cost.seconds)
+                and all(isinstance(w, int) and w > 0 for w in cost.widths)
+                and all(isinstance(x, (int, float)) and 0 <= x < 1e4 for x in numbers)):
+            raise ValueError("not a cost model")
+        return cost
 
     def verify(self, L: int) -> float:
         for (w0, s0), (w1, s1) in zip(zip(self.widths, self.seconds), zip(self.widths[1:], self.seconds[1:])):
@@ -210,10 +223,11 @@ def measure_costs(target, draft, context: int = 128, widths: Sequence[int] = PRO
 
     rows = mx.random.normal((SAMPLE_ROWS, target.vocab_size))
     mx.eval(rows)
+    noise = Noise(0, target.vocab_size)
 
     def row_seconds(params: SamplingParams) -> float:
         tic = time.perf_counter()
-        mx.eval(probabilities(rows, params))
+        mx.eval(choose(rows, params, noise.at(0, SAMPLE_ROWS)))
         return (time.perf_counter() - tic) / SAMPLE_ROWS
 
     times = {w: [] for w in widths}
@@ -255,11 +269,18 @@ def monotone(values: list[float]) -> list[float]:
 
 def cached_costs(key: str, measure, cache_root: Path) -> CostModel:
     """The cost model stored for (`key`, this machine), measured and stored on first use."""
-    name = f"{key}-{machine_key()}-v3".replace("/", "_").replace(" ", "_")  # v3: sampling cost per position
+    name = f"{key}-{machine_key()}-v4".replace("/", "_").replace(" ", "_")  # v4: sampling = position noise + argmax
     path = cache_root / "costs" / f"{name}.json"
     if path.is_file():
-        return CostModel(**json.loads(path.read_text()))
+        try:
+            return CostModel.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, OSError) as e:  # truncated, foreign or from another version
+            console.print(f"note: the cost cache {path} is unreadable ({type(e).__name__}); measuring again",
+                          style="yellow")
     cost = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cost.__dict__))
+    try:
+        atomic_write(path, json.dumps(cost.__dict__))
+    except OSError as e:
+        console.print(f"note: could not store the measured costs in {path} ({e.strerror}); "
+                      "they will be measured again next time", style="yellow")
     return cost

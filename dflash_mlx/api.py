@@ -1,5 +1,6 @@
 """Public API: load a target (+ drafter), stream or return generated text."""
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
@@ -12,7 +13,8 @@ from .adaptive import WidthChooser, cached_costs, measure_costs
 from .draft import load_draft
 from .progress import console
 from .engine import DecodeStats, DFlashModel, decode
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_seed
+from .storage import cache_dir, fetch
 from .target import Target
 
 
@@ -33,22 +35,7 @@ class GenerationResponse:
     acceptance_histogram: list[int]  # [k-1] = cycles that committed k tokens
     block_size: int
     widths: list[int]  # verify width of each cycle so far (1 = plain decoding)
-
-
-def _fetch(repo_or_path: str, patterns: Sequence[str]) -> Path:
-    path = Path(repo_or_path).expanduser()
-    if path.exists():
-        return path
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_or_path, allow_patterns=list(patterns)))
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise FileNotFoundError(
-            f"could not get {repo_or_path!r} from Hugging Face ({reason}); "
-            "check the name, your connection, or pass a local directory"
-        ) from None
+    adaptive: bool = False  # the width was chosen per cycle
 
 
 def load(
@@ -69,17 +56,15 @@ def load(
     from . import registry  # pulls in the GGUF converter; not needed to decode
 
     resolved = registry.resolve(model, draft, quant)
-    target_path = _fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
-    if not (target_path / "config.json").is_file():
-        raise FileNotFoundError(f"{target_path} is not a model directory: no config.json")
-    mlx_model, tokenizer = mlx_lm.load(str(target_path))
+    target_path = fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
+    mlx_model, tokenizer = _load_target(target_path)
     target = Target(mlx_model)
 
     drafter, note = None, resolved.draft_note
     if not use_draft:
         note = "drafting disabled (--no-draft)"
     elif resolved.draft:
-        draft_path = _fetch(resolved.draft, ["*.json", "*.safetensors"])
+        draft_path = fetch(resolved.draft, ["*.json", "*.safetensors"])
         # fp16 activations overflow in drafters (zero acceptance seen in other ports)
         dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
         drafter = load_draft(draft_path, dtype=dtype).bind(target)
@@ -90,15 +75,36 @@ def load(
             console.print("Measuring this machine's verify cost for the adaptive block size (once)", style="dim")
             return measure_costs(target, drafter)
 
-        cost = cached_costs(key, measure, registry.cache_dir())
+        cost = cached_costs(key, measure, cache_dir())
         chooser = WidthChooser(cost, drafter.block_size)
     return DFlashModel(target, drafter, note, chooser), tokenizer
+
+
+def _load_target(path: Path):
+    """mlx-lm's loader, with what can be wrong with a model dir said in one line."""
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory: no config.json")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer files there")
+    if not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    try:
+        return mlx_lm.load(str(path))
+    except Exception as e:  # mlx-lm raises whatever its parsers raise on a broken dir
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot load the model in {path} ({type(e).__name__}: {reason}); "
+                         "re-download or re-convert it") from None
 
 
 def format_prompt(
     tokenizer: TokenizerWrapper, prompt: str, system: Optional[str] = None, chat_template: bool = True
 ) -> list[int]:
     """Token ids for `prompt`, wrapped in the tokenizer's chat template if it has one."""
+    for text, what in ((prompt, "prompt"), (system, "system prompt")):
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"the {what} must be a string, got {type(text).__name__}")
+        if text is not None and not _is_utf8(text):
+            raise ValueError(f"the {what} is not valid UTF-8 text")
     if chat_template and tokenizer.has_chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
@@ -131,6 +137,40 @@ class _StopText:
         return out
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: undecodable bytes from argv or a file
+        return False
+    return True
+
+
+def prompt_ids(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array:
+    """The prompt as token ids (1-D int32): text is encoded, ids are checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("the prompt is empty; give some text to continue")
+        if not _is_utf8(prompt):
+            raise ValueError("the prompt is not valid UTF-8 text; pass text or a list of token ids")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, mx.array):
+        if prompt.dtype not in (mx.int32, mx.int64, mx.uint32, mx.uint64, mx.int16, mx.uint16, mx.int8, mx.uint8):
+            raise TypeError(f"a prompt array must hold integer token ids, got {prompt.dtype}")
+        ids = prompt.reshape(-1).tolist()
+    elif isinstance(prompt, (list, tuple)):
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise TypeError("a prompt list must hold integer token ids")
+        ids = [int(t) for t in prompt]
+    else:
+        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty; give some text to continue")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return mx.array(ids, dtype=mx.int32)
+
+
 def _context_limit(target: Target) -> Optional[int]:
     owner = getattr(target.model, "language_model", target.model)
     return getattr(getattr(owner, "args", None), "max_position_embeddings", None)
@@ -147,22 +187,27 @@ def stream_generate(
     top_k: int = 0,
     seed: Optional[int] = None,
     block_size: Optional[int] = None,
-    stop: Sequence[str] = (),
+    stop: Union[str, Sequence[str]] = (),
 ) -> Iterator[GenerationResponse]:
-    """Yield a GenerationResponse per decode cycle; the last has a finish_reason."""
+    """Yield a GenerationResponse per decode cycle; the last has a finish_reason.
+
+    A seeded sampled run gives the same text whatever the verify widths (and the
+    same text as `use_draft=False` with that seed): see sampling.py."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise ValueError("the prompt is empty; give some text to continue")
-        prompt = tokenizer.encode(prompt)
-    prompt = mx.array(prompt, dtype=mx.int32).reshape(-1)
-    if prompt.size == 0:
-        raise ValueError("the prompt is empty; give some text to continue")
+    prompt = prompt_ids(tokenizer, prompt, model.target.vocab_size)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
+        raise TypeError(f"max_tokens must be an integer, got {type(max_tokens).__name__}")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"block size must be >= 1, got {block_size}")
+    if block_size is not None:
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+            raise TypeError(f"block_size must be an integer, got {type(block_size).__name__}")
+        most = model.draft.block_size if model.draft is not None else 1
+        if not 1 <= block_size <= most:
+            raise ValueError(f"block_size must be between 1 and {most} (the drafter's block), got {block_size}"
+                             if model.draft is not None else
+                             f"block_size must be 1 without a drafter, got {block_size}")
     limit = _context_limit(model.target)
     if limit and prompt.size + max_tokens > limit:
         raise ValueError(
@@ -170,8 +215,10 @@ def stream_generate(
             f"context of {limit} tokens; shorten the prompt or lower max_tokens"
         )
     params = SamplingParams(temp, top_p, top_k)
-    if seed is not None:
-        mx.random.seed(seed)
+    seed = check_seed(seed)
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise TypeError("stop must be a string or a list of strings")
 
     stats = DecodeStats()
     detokenizer = tokenizer.detokenizer
@@ -198,9 +245,10 @@ def stream_generate(
             acceptance_histogram=stats.histogram,
             block_size=stats.block_size,
             widths=list(stats.widths),
+            adaptive=model.chooser is not None and model.draft is not None and block_size is None,
         )
 
-    steps = decode(model, prompt, params, max_tokens, block_size, stats)
+    steps = decode(model, prompt, params, max_tokens, block_size, stats, seed)
     finish = None
     for step in steps:
         tokens = step.tokens
@@ -258,7 +306,7 @@ def format_stats(r: GenerationResponse, model: DFlashModel) -> str:
     if model.draft is not None:
         hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(r.acceptance_histogram) if n)
         lines.append(f"DFlash: block {r.block_size}, tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}")
-        if len(set(r.widths)) > 1 or (r.widths and r.widths[0] != r.block_size):
+        if r.adaptive and r.widths:
             plain = sum(w == 1 for w in r.widths)
             lines.append(f"Adaptive width: mean {sum(r.widths) / len(r.widths):.1f}; plain decoding in "
                          f"{plain}/{len(r.widths)} cycles (predicted faster than drafting there)")

@@ -1,6 +1,8 @@
 """`dflash-mlx` command line."""
 
+import functools
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -14,12 +16,49 @@ app.add_typer(train_app, name="train")
 convert_app = typer.Typer(no_args_is_help=True, help="Convert and quantize drafters and targets for MLX.")
 app.add_typer(convert_app, name="convert")
 
-USER_ERRORS = (ValueError, FileNotFoundError, DraftLoadError, KeyError)
+USER_ERRORS = (ValueError, TypeError, OSError, DraftLoadError, KeyError, UnicodeError)
 
 
 def fail(message: str) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    """One line on stderr, exit status 1."""
+    line = " ".join(message.split())
+    typer.secho(f"error: {line}", err=True, fg=typer.colors.RED)
     raise typer.Exit(1)
+
+
+def explain(error: BaseException) -> str:
+    if isinstance(error, KeyError) and error.args:
+        return f"missing {error.args[0]}"  # str(KeyError) is the repr of its key
+    if isinstance(error, OSError) and error.filename and error.strerror:
+        return f"{error.strerror}: {error.filename}"
+    return str(error) or type(error).__name__
+
+
+def user_errors(command):
+    """Bad input, missing or unwritable files: one line and exit 1, never a traceback."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as e:
+            fail(explain(e))
+        except KeyboardInterrupt:
+            fail("interrupted")
+
+    return run
+
+
+def read_prompt(prompt: str) -> str:
+    """--prompt text, or stdin for '-'; invalid UTF-8 is an error, not a traceback."""
+    raw = sys.stdin.buffer.read() if prompt == "-" else prompt.encode("utf-8", "surrogateescape")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the prompt is not valid UTF-8 (byte {e.start}); pass UTF-8 text") from None
+    if not text.strip():
+        raise ValueError("the prompt is empty; pass text with --prompt")
+    return text
 
 
 @app.callback()
@@ -28,6 +67,7 @@ def main():
 
 
 @app.command()
+@user_errors
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."),
@@ -48,41 +88,42 @@ def generate(
 ):
     """Generate text with DFlash speculative decoding, streaming it as it is accepted."""
     from .api import format_prompt, format_stats, load, stream_generate
+    from .sampling import SamplingParams
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    if not prompt.strip():
-        fail("the prompt is empty; pass text with --prompt")
+    prompt = read_prompt(prompt)
     if max_tokens <= 0:
         fail(f"--max-tokens must be > 0, got {max_tokens}")
     if quant not in (None, 4, 8):
         fail(f"--quant must be 4 or 8, got {quant}")
-    try:
-        pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive)
-        if pair.draft is None and not no_draft:
-            typer.secho(f"note: {pair.draft_note}; running plain target decoding", err=True, fg=typer.colors.YELLOW)
-        if verbose:
-            typer.echo(f"BLAS: {_blas.status()}", err=True)
-            typer.echo(f"target: {pair.target.model_type}, {pair.target.num_layers} layers", err=True)
-            if pair.draft is not None:
-                typer.echo(f"drafter: {len(pair.draft.layers)} layers, block {pair.draft.block_size}, "
-                           f"target layers {pair.draft.target_layer_ids}", err=True)
-            if pair.chooser is not None:
-                typer.echo(f"adaptive width, this machine: {pair.chooser.cost.describe()}", err=True)
-        tokens = format_prompt(tokenizer, prompt, system, chat_template=not no_chat_template)
-        if verbose:
-            typer.echo(tokenizer.decode(tokens), err=True)
-        last = None
-        for last in stream_generate(pair, tokenizer, tokens, max_tokens, temp=temp, top_p=top_p,
-                                    top_k=top_k, seed=seed, block_size=block_size, stop=stop):
-            typer.echo(last.text, nl=False)
-        typer.echo()
-        typer.echo(format_stats(last, pair))
-    except USER_ERRORS as e:
-        fail(str(e).strip("'\""))
+    if block_size is not None and block_size < 1:
+        fail(f"--block-size must be >= 1, got {block_size}")
+    SamplingParams(temp, top_p, top_k)  # checked before the model loads
+    # a fixed width needs no cost curve
+    pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft,
+                           adaptive=not no_adaptive and block_size is None)
+    if pair.draft is None and not no_draft:
+        typer.secho(f"note: {pair.draft_note}; running plain target decoding", err=True, fg=typer.colors.YELLOW)
+    if verbose:
+        typer.echo(f"BLAS: {_blas.status()}", err=True)
+        typer.echo(f"target: {pair.target.model_type}, {pair.target.num_layers} layers", err=True)
+        if pair.draft is not None:
+            typer.echo(f"drafter: {len(pair.draft.layers)} layers, block {pair.draft.block_size}, "
+                       f"target layers {pair.draft.target_layer_ids}", err=True)
+        if pair.chooser is not None:
+            typer.echo(f"adaptive width, this machine: {pair.chooser.cost.describe()}", err=True)
+    tokens = format_prompt(tokenizer, prompt, system, chat_template=not no_chat_template)
+    if verbose:
+        typer.echo(tokenizer.decode(tokens), err=True)
+    last = None
+    for last in stream_generate(pair, tokenizer, tokens, max_tokens, temp=temp, top_p=top_p,
+                                top_k=top_k, seed=seed, block_size=block_size, stop=stop):
+        typer.echo(last.text, nl=False)
+    typer.echo()
+    typer.echo(format_stats(last, pair))
 
 
 @train_app.command("make-data")
+@user_errors
 def make_data(
     out: str = typer.Option(..., "--out", "-o", help="Data directory (resumes if it exists)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
@@ -96,18 +137,21 @@ def make_data(
     from .data import make_data as run
     from .prompts import read_prompts
 
+    from .storage import writable
+
     if max_tokens <= 0 or batch_size <= 0:
         fail("--max-tokens and --batch-size must be > 0")
-    try:
-        texts = read_prompts(prompts)
-        pair, tokenizer = load(model, use_draft=False)
-        path = run(pair.target.model, tokenizer, texts, out, max_tokens, budget, batch_size)
-    except USER_ERRORS as e:
-        fail(str(e).strip("'\""))
+    if budget is not None and budget <= 0:
+        fail(f"--budget must be > 0, got {budget}")
+    texts = read_prompts(prompts)
+    writable(Path(out), "data")
+    pair, tokenizer = load(model, use_draft=False)
+    path = run(pair.target.model, tokenizer, texts, out, max_tokens, budget, batch_size)
     typer.echo(f"data in {path}")
 
 
 @train_app.command("fit")
+@user_errors
 def fit(
     data: str = typer.Option(..., "--data", "-d", help="Data dir from `train make-data`."),
     out: str = typer.Option(..., "--out", "-o", help="Drafter dir to write (resumes from its checkpoint)."),
@@ -117,10 +161,16 @@ def fit(
     target_layers: int = typer.Option(5, "--target-layers", help="How many target layers feed the drafter."),
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated; default: stratified."),
     gamma: float = typer.Option(4.0, "--gamma", help="Loss weight decay along the block."),
-    epochs: int = typer.Option(10, "--epochs"),
+    epochs: int = typer.Option(10, "--epochs", help="Passes over the self-distilled data (unless --steps)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
     lr: float = typer.Option(1e-3, "--lr"),
     sequences_per_step: int = typer.Option(8, "--sequences-per-step"),
+    text_fraction: float = typer.Option(0.0, "--text-fraction", help="Share of each step's sequences taken from teacher-forced standard-library text."),
+    text_window: int = typer.Option(256, "--text-window", help="Tokens per text window."),
+    block_positions: int = typer.Option(256, "--block-positions", help="Block positions per sequence and step (random anchors)."),
+    head_size: int = typer.Option(8192, "--head-size", help="Token ids in the training loss's output vocabulary (most frequent)."),
     eval_every: int = typer.Option(0, "--eval-every", help="Steps between held-out tau checks (0: end only)."),
+    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Steps between checkpoints (a stopped run resumes from the last)."),
     no_init_from_target: bool = typer.Option(False, "--no-init-from-target"),
     init_from: Optional[str] = typer.Option(None, "--init-from", help="Warm-start from an existing drafter dir."),
     fresh: bool = typer.Option(False, "--fresh", help="Ignore an existing checkpoint."),
@@ -128,27 +178,37 @@ def fit(
 ):
     """Train a drafter on self-distillation data (the target stays frozen)."""
     from .api import load
+    from .corpus import benchmark_shingles, text_windows
     from .data import read_data, target_fingerprint
     from .progress import console
-    from .registry import cache_dir
+    from .storage import writable
     from .train import TrainConfig, fit as run
 
     try:
         ids = [int(i) for i in target_layer_ids.split(",")] if target_layer_ids else None
-        cfg = TrainConfig(block_size=block_size, num_layers=layers, num_target_layers=len(ids) if ids else target_layers,
-                          target_layer_ids=ids, gamma=gamma, epochs=epochs, lr=lr,
-                          sequences_per_step=sequences_per_step, eval_every=eval_every,
-                          init_from_target=not no_init_from_target, init_from=init_from, seed=seed)
-        pair, tokenizer = load(model, use_draft=False)
-        examples = read_data(data, target_fingerprint(pair.target, tokenizer))
-        run(pair.target, tokenizer, examples, out, cfg, resume=not fresh, feature_cache_dir=cache_dir() / "features",
-            log=console.print)
-    except USER_ERRORS as e:
-        fail(str(e).strip("'\""))
+    except ValueError:
+        fail(f"--target-layer-ids must be comma-separated integers, got {target_layer_ids!r}")
+    if text_window < 2:
+        fail(f"--text-window must be >= 2, got {text_window}")
+    cfg = TrainConfig(block_size=block_size, num_layers=layers, num_target_layers=len(ids) if ids else target_layers,
+                      target_layer_ids=ids, gamma=gamma, epochs=epochs, steps=steps, lr=lr,
+                      sequences_per_step=sequences_per_step, text_fraction=text_fraction,
+                      block_positions=block_positions, head_size=head_size, eval_every=eval_every,
+                      checkpoint_every=checkpoint_every,
+                      init_from_target=not no_init_from_target, init_from=init_from, seed=seed)
+    writable(Path(out))  # before the long work, not at its first checkpoint
+    pair, tokenizer = load(model, use_draft=False)
+    examples = read_data(data, target_fingerprint(pair.target, tokenizer))
+    text = []
+    if text_fraction > 0:
+        console.print("Cutting standard-library text into windows (no benchmark overlap)", style="dim")
+        text = text_windows(tokenizer, text_window, seed=seed, exclude=benchmark_shingles())
+    run(pair.target, tokenizer, examples, out, cfg, text=text, resume=not fresh, log=console.print)
     typer.echo(f"drafter in {out}")
 
 
 @train_app.command("eval")
+@user_errors
 def evaluate(
     data: str = typer.Option(..., "--data", "-d", help="Data dir: its last --prompts examples are the held-out set."),
     draft: str = typer.Option(..., "--draft", help="Drafter dir to evaluate."),
@@ -164,17 +224,15 @@ def evaluate(
 
     if prompts <= 0 or max_tokens <= 0:
         fail("--prompts and --max-tokens must be > 0")
-    try:
-        pair, tokenizer = load(model, draft, adaptive=False)
-        examples = read_data(data, target_fingerprint(pair.target, tokenizer))
-        held_out, _ = split_held_out(examples, prompts)
-        tau = evaluate_tau(pair.target, pair.draft, [e.prompt_ids for e in held_out], max_tokens, block_size)
-    except USER_ERRORS as e:
-        fail(str(e).strip("'\""))
+    pair, tokenizer = load(model, draft, adaptive=False)
+    examples = read_data(data, target_fingerprint(pair.target, tokenizer))
+    held_out, _ = split_held_out(examples, prompts)
+    tau = evaluate_tau(pair.target, pair.draft, [e.prompt_ids for e in held_out], max_tokens, block_size)
     typer.echo(f"held-out tau {tau:.3f} ({len(held_out)} prompts, block {block_size or pair.draft.block_size}, greedy)")
 
 
 @app.command()
+@user_errors
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: offline SmolLM2 + its drafter)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Drafter repo or dir."),
@@ -195,12 +253,12 @@ def bench(
         fail(f"--modes must be greedy and/or sampled, got {modes!r}")
     if prompts_per_set <= 0 or max_tokens <= 0:
         fail("--prompts-per-set and --max-tokens must be > 0")
-    try:
-        pair, tokenizer = load(model, draft, adaptive=not no_adaptive)
-        results = run_bench(pair, tokenizer, [s.strip() for s in sets.split(",")], prompts_per_set, max_tokens,
-                            chosen_modes, out, block_size, label=model or "SmolLM2-135M-Instruct")
-    except USER_ERRORS as e:
-        fail(str(e).strip("'\""))
+    from .storage import writable
+
+    writable(Path(out), "results")
+    pair, tokenizer = load(model, draft, adaptive=not no_adaptive)
+    results = run_bench(pair, tokenizer, [s.strip() for s in sets.split(",")], prompts_per_set, max_tokens,
+                        chosen_modes, out, block_size, label=model or "SmolLM2-135M-Instruct")
     from .bench import markdown
 
     typer.echo(markdown(results))
@@ -208,6 +266,7 @@ def bench(
 
 
 @convert_app.command("draft")
+@user_errors
 def convert_draft(
     source: str = typer.Argument(..., help="z-lab drafter: HF repo id or local dir."),
     out: str = typer.Argument(..., help="Output drafter dir."),
@@ -221,14 +280,12 @@ def convert_draft(
     """Convert a DFlash drafter, optionally quantized; `load` reads the result."""
     from .convert import convert_draft as run, draft_size_mb
 
-    try:
-        result = run(source, out, q_bits, q_group_size, quantize_fc, dtype, force, dry_run)
-    except USER_ERRORS + (FileExistsError,) as e:
-        fail(str(e).strip("'\""))
+    result = run(source, out, q_bits, q_group_size, quantize_fc, dtype, force, dry_run)
     typer.echo(result if dry_run else f"drafter in {result} ({draft_size_mb(result):.1f} MB)")
 
 
 @convert_app.command("target")
+@user_errors
 def convert_target(
     source: str = typer.Argument(..., help="HF repo id / dir, or a .gguf file (llama, qwen2, qwen3)."),
     out: str = typer.Argument(..., help="Output mlx-lm model dir."),
@@ -241,8 +298,5 @@ def convert_target(
     """Convert a target model into an mlx-lm directory."""
     from .convert import convert_target as run
 
-    try:
-        result = run(source, out, q_bits, q_group_size, dtype, force, dry_run)
-    except USER_ERRORS + (FileExistsError,) as e:
-        fail(str(e).strip("'\""))
+    result = run(source, out, q_bits, q_group_size, dtype, force, dry_run)
     typer.echo(result if dry_run else f"model in {result}")

@@ -5,18 +5,16 @@ at the end, so a failure leaves nothing half-written; an existing output is
 only replaced with `force`.
 """
 
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .draft import DFlashDraftModel, DraftLoadError, load_draft, save_draft
 from .progress import add_task, progress
+from .storage import fetch, staged, writable
 
 DRAFT_DTYPES = {"bfloat16": mx.bfloat16, "float32": mx.float32}
 Q_BITS = (4, 8)
@@ -33,23 +31,6 @@ class Plan:
 
     def __str__(self) -> str:
         return "\n".join([f"{self.source} -> {self.output}", *(f"  - {s}" for s in self.steps)])
-
-
-@contextmanager
-def staged(out: Path, force: bool) -> Iterator[Path]:
-    """A temp dir that becomes `out` only if the block finishes."""
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists; pass --force to overwrite it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    staging.chmod(0o755)
-    try:
-        yield staging
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _check_quant(q_bits: Optional[int], q_group_size: int) -> None:
@@ -87,8 +68,6 @@ def convert_draft(
     show_progress: bool = True,
 ):
     """z-lab drafter (HF repo or dir) -> MLX drafter dir; returns the output Path (or the Plan)."""
-    from .api import _fetch
-
     out = Path(out)
     _check_quant(q_bits, q_group_size)
     if dtype not in DRAFT_DTYPES:
@@ -103,10 +82,11 @@ def convert_draft(
         return plan
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists; pass --force to overwrite it")
+    writable(out.parent)
 
     with progress(show_progress) as bar:
         task = add_task(bar, "convert drafter", total=3, info=Path(source).name)
-        path = _fetch(source, ["*.json", "*.safetensors"])
+        path = fetch(source, ["*.json", "*.safetensors"])
         draft = load_draft(path, dtype=DRAFT_DTYPES[dtype])
         if draft.quantization:
             raise DraftLoadError(f"{source} is already quantized; convert from the float drafter")
@@ -157,6 +137,7 @@ def convert_target(
                                   + (f", dtype {dtype}" if dtype else "")])
     if dry_run:
         return plan
+    writable(out.parent)
     if is_gguf:
         from .gguf import convert_gguf
 

@@ -30,6 +30,11 @@ class Example:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
+    @property
+    def first_anchor(self) -> int:
+        """Blocks start in the response only: that is where the drafter drafts."""
+        return len(self.prompt_ids)
+
 
 def target_fingerprint(target: Target, tokenizer: TokenizerWrapper) -> dict:
     """Enough to tell two targets apart without hashing their weights."""

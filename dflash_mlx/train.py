@@ -1,34 +1,40 @@
 """Train a DFlash drafter against a frozen target (the paper's recipe, on MLX).
 
-Per sequence (prompt + the target's own response):
-    features  target outputs at `target_layer_ids`, computed once and cached
-    anchors   random response positions, resampled every epoch; each starts a
-              block [token at anchor, MASK x (B-1)] at positions anchor..anchor+B-1
-    attention bidirectional inside a block; a block sees the context features
-              of its own sequence before its anchor, never another block
-    loss      cross-entropy at the masked positions only, weight exp(-(k-1)/gamma)
-              at block position k, over the target's frozen output embeddings
-              restricted to the token ids that occur in the data
+Each optimizer step:
+    target    one batched pass over S sequences: the features of `target_layer_ids`
+              and the target's greedy choice at every position (nothing is cached,
+              so the data can be far larger than memory)
+    labels    block position k after an anchor a is labelled with the target's
+              greedy token at a+k-1 wherever the tokens a+1..a+k-1 are the target's
+              own choices: every position of a self-distilled response, and the
+              agreeing stretches of teacher-forced text (corpus.py)
+    anchors   random, until their blocks [token at a, MASK x n] fill a budget per
+              sequence; a block is as long as its labels (n <= B-1)
+    attention bidirectional inside a block; a block sees the context features of
+              its own sequence before its anchor, never another block
+    loss      cross-entropy at the labelled positions, weight exp(-(k-1)/gamma) at
+              block position k, over the target's frozen output embeddings
+              restricted to the most frequent token ids of the data
 
-All blocks of several sequences are packed into one forward pass with one sparse
-mask.  The drafter's embedding and lm_head are the target's: frozen, not saved.
+The drafter's embedding and lm_head are the target's: frozen, not saved.
 """
 
-import hashlib
 import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from .corpus import Window
 from .data import Example
 from .draft import DFlashDraftModel, DraftArgs, load_draft, save_draft
 from .engine import DecodeStats, DFlashModel, decode
@@ -55,9 +61,12 @@ class TrainConfig:
     gamma: float = 4.0  # loss weight decay along the block
     init_from_target: bool = True  # copy the deepest target layers into the drafter layers
     init_from: Optional[str] = None  # or start from an existing drafter dir (warm start; its shape wins)
-    epochs: int = 10
+    epochs: int = 10  # passes over the self-distilled data (unless `steps` is given)
+    steps: Optional[int] = None  # optimizer steps
     sequences_per_step: int = 8
-    anchors_per_block_span: float = 1.0  # blocks per sequence = ratio * response_len / block_size
+    text_fraction: float = 0.0  # share of each step's sequences that are text windows
+    block_positions: int = 256  # per sequence and step: random anchors until their blocks fill this
+    head_size: int = 8192  # output vocabulary of the loss: the most frequent token ids of the data
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 50
@@ -74,6 +83,22 @@ class TrainConfig:
             raise ValueError(f"block size must be >= 2, got {self.block_size}")
         if self.num_layers < 1 or self.num_target_layers < 1:
             raise ValueError("the drafter needs at least one layer and one target layer")
+        for name in ("lr", "gamma", "weight_decay", "grad_clip", "min_lr_ratio", "text_fraction"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and name in ("lr", "gamma", "grad_clip")):
+                raise ValueError(f"{name} must be a finite number > 0 (>= 0 for decay and ratios), got {value}")
+        for name in ("epochs", "sequences_per_step", "head_size", "checkpoint_every", "eval_prompts",
+                     "eval_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.eval_every < 0 or self.warmup_steps < 0:
+            raise ValueError("eval every and warmup steps must be >= 0")
+        if not 0 <= self.text_fraction < 1:
+            raise ValueError(f"text fraction must be in [0, 1), got {self.text_fraction}")
+        if self.block_positions < self.block_size:
+            raise ValueError(f"block positions per sequence ({self.block_positions}) must be >= the block size")
 
 
 # ---------------------------------------------------------------- the drafter
@@ -137,30 +162,36 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
     return draft.bind(target)
 
 
-# ---------------------------------------------------------------- features
+# ---------------------------------------------------------------- target pass and labels
 
 
-def compute_features(target: Target, examples: list[Example], layer_ids: list[int], cache_file: Optional[Path],
-                     show_progress: bool = True) -> list[mx.array]:
-    """Target features (T, n_layers * hidden) per example, fp32; cached in `cache_file`."""
-    if cache_file is not None and cache_file.is_file():
-        stored = mx.load(str(cache_file))
-        if len(stored) == len(examples):
-            return [stored[str(i)] for i in range(len(examples))]
-    out = []
-    total = sum(len(e.tokens) for e in examples)
-    with progress(show_progress) as bar:
-        task = add_task(bar, "target features (tokens)", total=total, info=f"layers {layer_ids}")
-        for e in examples:
-            _, features = target(mx.array(e.tokens)[None], target.make_cache(), layer_ids, logits_for_last_only=True)
-            features = features[0].astype(mx.float32)
-            mx.eval(features)
-            out.append(features)
-            bar.advance(task, len(e.tokens))
-    if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        mx.save_safetensors(str(cache_file), {str(i): f for i, f in enumerate(out)})
-    return out
+def target_pass(target: Target, seqs: list, layer_ids: list[int]) -> tuple[mx.array, np.ndarray]:
+    """The target over each of `seqs`: their features (S, L, n_layers * hidden) and the
+    target's greedy choice at every position (S, L), zero-padded to the longest.
+    One sequence per pass: padding a batch cost more here than it saved (measured)."""
+    length = max(len(s.tokens) for s in seqs)
+    features, greedy = [], np.zeros((len(seqs), length), dtype=np.int64)
+    for row, s in zip(greedy, seqs):
+        logits, f = target(mx.array(s.tokens, dtype=mx.int32)[None], target.make_cache(), layer_ids)
+        choice = mx.argmax(logits[0], axis=-1)
+        mx.eval(f, choice)
+        row[: len(s.tokens)] = np.array(choice)
+        features.append(mx.pad(f, [(0, 0), (0, length - f.shape[1]), (0, 0)]))
+    return mx.concatenate(features, axis=0), greedy
+
+
+def label_counts(tokens: list[int], greedy: np.ndarray, block_size: int) -> np.ndarray:
+    """For an anchor at each position a: how many block positions have an exact greedy label.
+
+    Position k of the block after anchor a is labelled greedy[a+k-1] when the
+    tokens a+1..a+k-1 are the target's own greedy choices (always for k = 1;
+    always in a self-distilled response; where the text agreed, in other text)."""
+    n = len(tokens)
+    agree = np.asarray(tokens[1:]) == greedy[: n - 1]
+    run = np.zeros(n + 1, dtype=np.int64)  # run[i]: consecutive agreements from i on
+    for i in range(n - 2, -1, -1):
+        run[i] = run[i + 1] + 1 if agree[i] else 0
+    return np.minimum.reduce([np.full(n, block_size - 1), n - np.arange(n), 1 + run[:n]])
 
 
 # ---------------------------------------------------------------- packed batches
@@ -168,79 +199,97 @@ def compute_features(target: Target, examples: list[Example], layer_ids: list[in
 
 @dataclass
 class PackedBatch:
-    """Blocks of several sequences, packed for one drafter pass.
+    """Blocks of S sequences for one drafter pass, grouped by sequence.
 
-    context positions 0..N-1 (features of all sequences, back to back), then the
-    Q = n_blocks * B block positions; `visible[q, k]` says which keys query q sees."""
+    Sequence s contributes Q (padded) block positions that attend to its own
+    context positions 0..L-1 and to block positions; `visible[s, 0, q, k]` says
+    which keys (L context, then Q block) query q of sequence s sees."""
 
-    features: mx.array  # (1, N, n_layers * hidden)
-    context_positions: mx.array  # (N,) position of each context entry in its sequence
-    block_tokens: mx.array  # (1, Q)
-    block_positions: mx.array  # (Q,)
-    visible: mx.array  # (Q, N + Q) bool
-    label_index: mx.array  # (M,) which of the Q positions are predicted
+    features: mx.array  # (S, L, n_layers * hidden)
+    block_tokens: mx.array  # (1, S * Q)
+    block_positions: mx.array  # (S * Q,)
+    visible: mx.array  # (S, 1, Q, L + Q) bool
+    label_index: mx.array  # (M,) which of the S * Q positions are predicted
     labels: mx.array  # (M,) target token ids
     weights: mx.array  # (M,) loss weights
     block_offsets: np.ndarray = field(repr=False, default=None)  # (M,) k-1, for per-position metrics
 
+    @property
+    def groups(self) -> int:
+        return self.visible.shape[0]
+
 
 class PackedContext:
-    """The attention-context protocol of DraftAttention, for packed training blocks."""
+    """The attention-context protocol of DraftAttention, for packed training blocks:
+    each sequence's blocks attend to that sequence's context, in one batched call."""
 
     def __init__(self, batch: PackedBatch, context: mx.array):
         self.position = batch.block_positions
-        self._context = context
-        self._context_positions = batch.context_positions
+        self._context = context  # (S, L, hidden)
         self._visible = batch.visible
 
     def attend(self, attn, queries, keys, values):
-        ctx_keys, ctx_values = attn.keys_values(self._context, self._context_positions)
-        keys = mx.concatenate([ctx_keys, keys], axis=2)
-        values = mx.concatenate([ctx_values, values], axis=2)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=self._visible)
+        groups = self._visible.shape[0]
+
+        def grouped(x):  # (1, H, S * Q, D) -> (S, H, Q, D)
+            _, H, SQ, D = x.shape
+            return x.reshape(H, groups, SQ // groups, D).transpose(1, 0, 2, 3)
+
+        ctx_keys, ctx_values = attn.keys_values(self._context, 0)
+        keys = mx.concatenate([ctx_keys, grouped(keys)], axis=2)
+        values = mx.concatenate([ctx_values, grouped(values)], axis=2)
+        out = mx.fast.scaled_dot_product_attention(grouped(queries), keys, values, scale=attn.scale,
+                                                   mask=self._visible)
+        S, H, Q, D = out.shape
+        return out.transpose(1, 0, 2, 3).reshape(1, H, S * Q, D)
 
 
-def sample_anchors(example: Example, cfg: TrainConfig, rng: random.Random) -> list[int]:
-    """Random anchor positions inside the response, each with at least one token to predict."""
-    first, last = len(example.prompt_ids), len(example.tokens) - 2
-    if last < first:
-        return []
-    n = max(1, round(cfg.anchors_per_block_span * len(example.response_ids) / cfg.block_size))
-    return sorted(rng.sample(range(first, last + 1), min(n, last - first + 1)))
+def sample_blocks(seq, counts: np.ndarray, budget: int, rng: random.Random) -> list[tuple[int, int]]:
+    """Random (anchor, labelled positions) pairs whose blocks fill at most `budget` positions."""
+    anchors = list(range(seq.first_anchor, len(seq.tokens)))
+    rng.shuffle(anchors)
+    blocks, used = [], 0
+    for a in anchors:
+        size = 1 + int(counts[a])
+        if used + size > budget:
+            continue
+        blocks.append((a, int(counts[a])))
+        used += size
+    return sorted(blocks)
 
 
-def pack(examples: list[Example], features: list[mx.array], anchors: list[list[int]], block_size: int,
-         mask_token_id: int, gamma: float) -> PackedBatch:
-    context_lengths = [max(a) if a else 0 for a in anchors]  # nothing at/after the last anchor is needed
-    N = sum(context_lengths)
-    Q = sum(len(a) for a in anchors) * block_size
-    visible = np.zeros((Q, N + Q), dtype=bool)
-    context_positions, block_tokens, block_positions = [], [], []
+def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[tuple[int, int]]],
+         mask_token_id: int, gamma: float, vocab: Optional[set] = None) -> PackedBatch:
+    """Blocks [token at a, MASK x n] at positions a..a+n, labelled greedy[a+k-1]
+    at block position k (labels outside `vocab` are not predicted)."""
+    S, L = len(seqs), features.shape[1]
+    Q = max(sum(1 + n for _, n in b) for b in blocks)
+    visible = np.zeros((S, 1, Q, L + Q), dtype=bool)
+    block_tokens = np.full((S, Q), mask_token_id, dtype=np.int32)
+    block_positions = np.zeros((S, Q), dtype=np.int32)
     label_index, labels, weights, offsets = [], [], [], []
-    c0 = q0 = 0
-    for example, seq_anchors, length in zip(examples, anchors, context_lengths):
-        tokens = example.tokens
-        context_positions.extend(range(length))
-        for a in seq_anchors:
-            rows = slice(q0, q0 + block_size)
-            visible[rows, c0 : c0 + a] = True  # own sequence, strictly before the anchor
-            visible[rows, N + q0 : N + q0 + block_size] = True  # own block, both directions
-            block_tokens += [tokens[a]] + [mask_token_id] * (block_size - 1)
-            block_positions.extend(range(a, a + block_size))
-            for k in range(1, block_size):
-                if a + k < len(tokens):
-                    label_index.append(q0 + k)
-                    labels.append(tokens[a + k])
+    for s, (seq, seq_blocks) in enumerate(zip(seqs, blocks)):
+        q = 0
+        for a, n in seq_blocks:
+            rows = slice(q, q + n + 1)
+            visible[s, 0, rows, :a] = True  # own sequence, strictly before the anchor
+            visible[s, 0, rows, L + q : L + q + n + 1] = True  # own block, both directions
+            block_tokens[s, q] = seq.tokens[a]
+            block_positions[s, rows] = np.arange(a, a + n + 1)
+            for k in range(1, n + 1):
+                label = int(greedy[s, a + k - 1])
+                if vocab is None or label in vocab:
+                    label_index.append(s * Q + q + k)
+                    labels.append(label)
                     weights.append(math.exp(-(k - 1) / gamma))
                     offsets.append(k - 1)
-            q0 += block_size
-        c0 += length
-    feats = mx.concatenate([f[:n] for f, n in zip(features, context_lengths)], axis=0)[None]
+            q += n + 1
+        for pad in range(q, Q):  # padding sees only itself (a fully masked row would be NaN)
+            visible[s, 0, pad, L + pad] = True
     return PackedBatch(
-        features=feats,
-        context_positions=mx.array(context_positions, dtype=mx.int32),
-        block_tokens=mx.array(block_tokens, dtype=mx.int32)[None],
-        block_positions=mx.array(block_positions, dtype=mx.int32),
+        features=features,
+        block_tokens=mx.array(block_tokens.reshape(1, -1)),
+        block_positions=mx.array(block_positions.reshape(-1)),
         visible=mx.array(visible),
         label_index=mx.array(label_index, dtype=mx.int32),
         labels=mx.array(labels, dtype=mx.int32),
@@ -253,10 +302,11 @@ def pack(examples: list[Example], features: list[mx.array], anchors: list[list[i
 
 
 class RestrictedHead:
-    """Frozen output embeddings of the token ids that occur in the data."""
+    """Frozen output embeddings of the `size` token ids most frequent in the data."""
 
-    def __init__(self, weight: mx.array, token_ids: list[int]):
-        self.token_ids = sorted(set(token_ids))
+    def __init__(self, weight: mx.array, token_counts: Counter, size: int):
+        self.token_ids = sorted(t for t, _ in token_counts.most_common(size))
+        self.vocab = set(self.token_ids)
         self.weight = weight[mx.array(self.token_ids)]
         lookup = np.full(weight.shape[0], -1, dtype=np.int32)
         lookup[self.token_ids] = np.arange(len(self.token_ids))
@@ -304,7 +354,8 @@ def evaluate_tau(target: Target, draft: DFlashDraftModel, prompts: list[list[int
 @dataclass
 class TrainState:
     step: int = 0
-    epoch: int = 0
+    epoch: float = 0
+    tokens_seen: int = 0  # target tokens passed over (features + labels)
     history: list = field(default_factory=list)  # one dict per logged step
 
 
@@ -314,10 +365,38 @@ def _schedule(cfg: TrainConfig, total_steps: int):
     return optim.join_schedules([warmup, decay], [max(cfg.warmup_steps, 1)])
 
 
-def _data_key(examples: list[Example], layer_ids: list[int]) -> str:
-    digest = hashlib.sha1(json.dumps([e.tokens for e in examples]).encode())
-    digest.update(json.dumps(layer_ids).encode())
-    return digest.hexdigest()[:16]
+def _pick(items: list, step: int, per_step: int, seed: int) -> list[int]:
+    """Indices of `items` for optimizer step `step`: consecutive slices of a
+    fresh shuffle per pass over the items (so a resumed run sees the same data)."""
+    if per_step == 0:
+        return []
+    out = []
+    for cursor in range(step * per_step, (step + 1) * per_step):
+        epoch, i = divmod(cursor, len(items))
+        order = list(range(len(items)))
+        random.Random(seed * 100003 + epoch).shuffle(order)
+        out.append(order[i])
+    return out
+
+
+def grow(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
+    """The same drafter with extra layers appended whose residual branches start
+    at zero (o_proj, down_proj), so it computes exactly what it did before."""
+    if num_layers <= len(draft.layers):
+        return draft
+    args = DraftArgs(**{**asdict(draft.args), "num_hidden_layers": num_layers,
+                        "layer_types": list(draft.args.layer_types) + ["full_attention"] * (num_layers - len(draft.layers))})
+    bigger = DFlashDraftModel(args)
+    bigger.update({k: v for k, v in draft.parameters().items() if k != "layers"})
+    old = len(draft.layers)
+    for i, layer in enumerate(bigger.layers):
+        if i < old:
+            layer.update(draft.layers[i].parameters())
+        else:
+            layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+            layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    mx.eval(bigger.parameters())
+    return bigger.bind(draft._target)
 
 
 def fit(
@@ -326,32 +405,38 @@ def fit(
     examples: list[Example],
     out_dir,
     cfg: TrainConfig,
+    text: Sequence[Window] = (),
     resume: bool = True,
-    feature_cache_dir: Optional[Path] = None,
     show_progress: bool = True,
     log=print,
 ) -> DFlashDraftModel:
-    """Train (or resume) a drafter into `out_dir`; returns the trained drafter."""
+    """Train (or resume) a drafter into `out_dir` on self-distilled `examples`
+    (the last cfg.eval_prompts held out) plus teacher-forced `text` windows;
+    returns the trained drafter.  Target features are computed per step, so
+    the data can be far larger than memory and is never revisited unless asked."""
     out_dir = Path(out_dir)
     checkpoint = out_dir / "checkpoint"
     if len(examples) <= cfg.eval_prompts:
         raise ValueError(f"need more than {cfg.eval_prompts} examples (the held-out set), got {len(examples)}")
+    if cfg.text_fraction > 0 and not text:
+        raise ValueError("text_fraction > 0 needs text windows")
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer)
 
     if resume and (checkpoint / "state.json").is_file():
         saved = json.loads((checkpoint / "state.json").read_text())
         # the architecture and recipe are the checkpoint's; only the length can change
-        cfg = TrainConfig(**{**saved["config"], "epochs": cfg.epochs})
+        cfg = TrainConfig(**{**saved["config"], "epochs": cfg.epochs, "steps": cfg.steps})
         draft = load_draft(checkpoint / "drafter", dtype=mx.float32).bind(target)
         state = TrainState(**saved["state"])
         log(f"resuming at step {state.step} (epoch {state.epoch})")
     elif cfg.init_from:
         draft = load_draft(cfg.init_from, dtype=mx.float32).bind(target)
+        draft = grow(draft, cfg.num_layers)
         cfg.block_size, cfg.num_layers = draft.block_size, len(draft.layers)
         cfg.target_layer_ids, cfg.mask_token_id = draft.target_layer_ids, draft.mask_token_id
         state = TrainState()
-        log(f"starting from the drafter in {cfg.init_from}")
+        log(f"starting from the drafter in {cfg.init_from} ({cfg.num_layers} layers)")
     else:
         draft = new_drafter(target, cfg, cfg.mask_token_id)
         state = TrainState()
@@ -359,19 +444,19 @@ def fit(
 
     held_out, train_set = split_held_out(examples, cfg.eval_prompts)
     layer_ids = draft.target_layer_ids
-    cache_file = feature_cache_dir / f"features-{_data_key(train_set, layer_ids)}.safetensors" if feature_cache_dir else None
-    features = compute_features(target, train_set, layer_ids, cache_file, show_progress)
-    head = RestrictedHead(output_embeddings(target), [t for e in train_set for t in e.response_ids])
-    log(f"{len(train_set)} training sequences, {sum(len(e.response_ids) for e in train_set)} response tokens, "
+    text_per_step = round(cfg.sequences_per_step * cfg.text_fraction) if text else 0
+    chat_per_step = cfg.sequences_per_step - text_per_step
+    counts = Counter(t for e in train_set for t in e.response_ids)
+    counts.update(t for w in text for t in w.tokens)
+    head = RestrictedHead(output_embeddings(target), counts, cfg.head_size)
+    total_steps = cfg.steps or cfg.epochs * math.ceil(len(train_set) / max(chat_per_step, 1))
+    log(f"{len(train_set)} training sequences ({sum(len(e.response_ids) for e in train_set)} response tokens), "
+        f"{len(text)} text windows; {chat_per_step} + {text_per_step} per step, {total_steps} steps; "
         f"restricted head {len(head.token_ids)} tokens, target layers {layer_ids}")
 
-    steps_per_epoch = math.ceil(len(train_set) / cfg.sequences_per_step)
-    total_steps = steps_per_epoch * cfg.epochs
     optimizer = optim.AdamW(learning_rate=_schedule(cfg, total_steps), weight_decay=cfg.weight_decay)
     optimizer.init(draft.trainable_parameters())
     if resume and (checkpoint / "optimizer.safetensors").is_file() and state.step:
-        from mlx.utils import tree_unflatten
-
         optimizer.state = tree_unflatten(list(mx.load(str(checkpoint / "optimizer.safetensors")).items()))
     value_and_grad = nn.value_and_grad(draft, lambda m, b: loss_fn(m, b, head))
 
@@ -381,47 +466,51 @@ def fit(
         optimizer.update(draft, grads)
         return loss, correct, grad_norm
 
+    def batch_for(step: int) -> tuple[PackedBatch, int]:
+        seqs = [train_set[i] for i in _pick(train_set, step, chat_per_step, cfg.seed)]
+        seqs += [text[i] for i in _pick(text, step, text_per_step, cfg.seed + 1)]
+        features, greedy = target_pass(target, seqs, layer_ids)
+        rng = random.Random(cfg.seed * 1000003 + step)
+        blocks = [sample_blocks(s, label_counts(s.tokens, g, cfg.block_size), cfg.block_positions, rng)
+                  for s, g in zip(seqs, greedy)]
+        batch = pack(seqs, features, greedy, blocks, cfg.mask_token_id, cfg.gamma, head.vocab)
+        return batch, sum(len(s.tokens) for s in seqs)
+
     with progress(show_progress) as bar:
         task = add_task(bar, "train (steps)", total=total_steps, info="")
         bar.update(task, completed=state.step)
         while state.step < total_steps:
-            epoch = state.step // steps_per_epoch
-            rng = random.Random(cfg.seed * 100003 + epoch)  # anchors and order resampled every epoch
-            order = list(range(len(train_set)))
-            rng.shuffle(order)
-            for i in range(state.step % steps_per_epoch, steps_per_epoch):
-                ids = order[i * cfg.sequences_per_step : (i + 1) * cfg.sequences_per_step]
-                tic = time.perf_counter()
-                group = [train_set[j] for j in ids]
-                anchors = [sample_anchors(e, cfg, rng) for e in group]
-                batch = pack(group, [features[j] for j in ids], anchors, cfg.block_size, cfg.mask_token_id, cfg.gamma)
-                loss, correct, grad_norm = train_step(batch)
-                mx.eval(loss, correct, draft.parameters(), optimizer.state)
-                seconds = time.perf_counter() - tic
-                correct = np.array(correct)
-                first = correct[batch.block_offsets == 0]
-                state.step += 1
-                state.epoch = state.step / steps_per_epoch
-                record = {
-                    "step": state.step, "epoch": round(state.epoch, 3), "loss": round(loss.item(), 4),
-                    "acc": round(float(correct.mean()), 4), "acc_pos1": round(float(first.mean()), 4) if first.size else None,
-                    "lr": float(optimizer.learning_rate), "grad_norm": round(grad_norm.item(), 3),
-                    "predictions_per_s": round(len(correct) / seconds, 1),
-                }
-                state.history.append(record)
-                bar.update(task, advance=1, info=f"loss {record['loss']:.3f} acc {record['acc']:.3f} "
-                                                 f"acc@1 {record['acc_pos1'] or 0:.3f} {record['predictions_per_s']:.0f} pred/s")
-                if state.step % 25 == 0:
-                    log(" ".join(f"{k} {v}" for k, v in record.items()))
-                if cfg.eval_every and state.step % cfg.eval_every == 0:
-                    record["tau"] = _eval(target, draft, held_out, cfg)
-                    log(f"step {state.step}: held-out tau {record['tau']:.2f}")
-                if state.step % cfg.checkpoint_every == 0 or state.step == total_steps:
-                    save_checkpoint(checkpoint, draft, optimizer, cfg, state)
-                if state.step >= total_steps:
-                    break
+            tic = time.perf_counter()
+            batch, tokens = batch_for(state.step)
+            features_done = time.perf_counter()
+            loss, correct, grad_norm = train_step(batch)
+            mx.eval(loss, correct, draft.parameters(), optimizer.state)
+            seconds = time.perf_counter() - tic
+            correct = np.array(correct)
+            first = correct[batch.block_offsets == 0]
+            state.step += 1
+            state.epoch = state.step * chat_per_step / len(train_set)
+            state.tokens_seen += tokens
+            record = {
+                "step": state.step, "epoch": round(state.epoch, 3), "tokens_seen": state.tokens_seen,
+                "loss": round(loss.item(), 4), "acc": round(float(correct.mean()), 4),
+                "acc_pos1": round(float(first.mean()), 4) if first.size else None,
+                "lr": float(optimizer.learning_rate), "grad_norm": round(grad_norm.item(), 3),
+                "predictions": len(correct), "predictions_per_s": round(len(correct) / seconds, 1),
+                "target_s": round(features_done - tic, 2), "step_s": round(seconds, 2),
+            }
+            state.history.append(record)
+            bar.update(task, advance=1, info=f"loss {record['loss']:.3f} acc {record['acc']:.3f} "
+                                             f"acc@1 {record['acc_pos1'] or 0:.3f} {record['predictions_per_s']:.0f} pred/s")
+            if state.step % 25 == 0:
+                log(" ".join(f"{k} {v}" for k, v in record.items()))
+            if cfg.eval_every and state.step % cfg.eval_every == 0:
+                record["tau"] = _eval(target, draft, held_out, cfg)
+                log(f"step {state.step}: held-out tau {record['tau']:.2f}")
+            if state.step % cfg.checkpoint_every == 0 or state.step == total_steps:
+                save_checkpoint(checkpoint, draft, optimizer, cfg, state)
     tau = _eval(target, draft, held_out, cfg)
-    state.history.append({"step": state.step, "tau": tau})
+    state.history.append({"step": state.step, "tokens_seen": state.tokens_seen, "tau": tau})
     log(f"held-out tau {tau:.2f} (block {cfg.block_size}, {len(held_out)} prompts, greedy)")
     save_checkpoint(checkpoint, draft, optimizer, cfg, state)
     export(draft, out_dir)

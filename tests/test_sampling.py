@@ -94,9 +94,8 @@ def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
     params = SamplingParams(temp=1.0)
     joint = exact_joint(target, params)
 
-    def accept_everything(proposal, target_logits, q, params):
-        p = probabilities(target_logits, params)
-        return mx.array(proposal.size), mx.random.categorical(mx.log(p[-1]))
+    def accept_everything(proposal, target_choice):
+        return mx.array(proposal.size), target_choice[-1]
 
     import dflash_mlx.engine as engine
 
@@ -108,23 +107,45 @@ def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
 def test_seeded_runs_are_reproducible(pair):
     target, draft = pair
     params = SamplingParams(temp=1.0)
-    runs = []
-    for _ in range(2):
-        mx.random.seed(42)
-        runs.append([t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30)
-                     for t in step.tokens])
+    runs = [[t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30, seed=42)
+             for t in step.tokens] for _ in range(2)]
     assert runs[0] == runs[1]
+    other = [t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30, seed=43)
+             for t in step.tokens]
+    assert other != runs[0]
+
+
+def test_seeded_output_does_not_depend_on_the_widths(pair):
+    """The noise belongs to the output position: plain decoding, every fixed width
+    and a drafter that proposes differently all commit the same tokens."""
+    target, draft = pair
+    other_draft = random_draft(target, seed=11, block_size=3)
+    for params in (SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9, top_k=4)):
+        reference = [t for step in decode(DFlashModel(target), mx.array(PROMPT), params, 40, seed=7)
+                     for t in step.tokens]
+        for model, width in [(DFlashModel(target, draft), 2), (DFlashModel(target, draft), 3),
+                             (DFlashModel(target, other_draft), 3)]:
+            tokens = [t for step in decode(model, mx.array(PROMPT), params, 40, block_size=width, seed=7)
+                      for t in step.tokens]
+            assert tokens == reference
 
 
 def test_invalid_sampling_parameters_are_refused():
-    for bad in (dict(temp=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2)):
-        with pytest.raises(ValueError):
+    for bad in (dict(temp=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(temp=float("nan")),
+                dict(temp=float("inf")), dict(top_p=float("nan")), dict(top_k=1.5)):
+        with pytest.raises(ValueError, match=next(iter(bad)).replace("_", "[-_]").replace("temp", "temp")):
             SamplingParams(**bad)
+    with pytest.raises(TypeError, match="temp"):
+        SamplingParams(temp="hot")
+    assert sampling.check_seed(-1) == 2**64 - 1 and sampling.check_seed(10**30) < 2**64
+    with pytest.raises(TypeError, match="seed"):
+        sampling.check_seed(1.5)
 
 
 def test_greedy_accept_counts_the_agreeing_prefix():
     logits = mx.eye(5)[mx.array([1, 2, 3, 4])] * 5  # target wants 1, 2, 3, 4
-    n, nxt = sampling.accept(mx.array([1, 2, 0]), logits, None, SamplingParams())
+    choice = sampling.choose(logits, SamplingParams(), None)
+    n, nxt = sampling.accept(mx.array([1, 2, 0]), choice)
     assert (n.item(), nxt.item()) == (2, 3)
-    n, nxt = sampling.accept(mx.array([1, 2, 3]), logits, None, SamplingParams())
+    n, nxt = sampling.accept(mx.array([1, 2, 3]), choice)
     assert (n.item(), nxt.item()) == (3, 4)

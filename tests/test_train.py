@@ -14,15 +14,19 @@ from dflash_mlx.data import Example, read_data
 from dflash_mlx.draft import load_draft
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.corpus import Window
 from dflash_mlx.train import (
     PackedContext,
     TrainConfig,
     evaluate_tau,
     fit,
+    grow,
+    label_counts,
     new_drafter,
     pack,
-    sample_anchors,
+    sample_blocks,
     stratified_layer_ids,
+    target_pass,
 )
 from tiny_models import tiny_target
 
@@ -40,40 +44,55 @@ def make_examples(rng, n=3):
                     [rng.randrange(90) for _ in range(rng.randint(3, 30))]) for _ in range(n)]
 
 
+def test_labels_follow_the_targets_greedy_path():
+    tokens = [5, 1, 2, 9, 4, 6]
+    greedy = np.array([1, 2, 3, 4, 6, 7])  # agrees with the text after positions 0, 1, 3, 4
+    # anchor 0: labels greedy[0]=1, greedy[1]=2 (text 1 agreed), greedy[2]=3 (text 2 agreed), stop (9 != 3)
+    assert label_counts(tokens, greedy, 16).tolist() == [3, 2, 1, 3, 2, 1]
+    assert label_counts(tokens, greedy, 3).tolist() == [2, 2, 1, 2, 2, 1]
+    # a self-distilled sequence (text == greedy path) is labelled everywhere, up to the block
+    assert label_counts([0, 1, 2, 3], np.array([1, 2, 3, 4]), 16).tolist() == [4, 3, 2, 1]
+
+
+def packed(rng, seqs, features, greedy, block_size, budget, vocab=None):
+    blocks = [sample_blocks(s, label_counts(s.tokens, g, block_size), budget, rng) for s, g in zip(seqs, greedy)]
+    return blocks, pack(seqs, features, greedy, blocks, MASK, 3.0, vocab)
+
+
 def test_packed_blocks_see_exactly_their_own_past_and_block():
     rng = random.Random(0)
-    examples = make_examples(rng, 4)
-    features = [mx.random.normal((len(e.tokens), 6)) for e in examples]
-    cfg = TrainConfig(block_size=5, gamma=3.0, anchors_per_block_span=2.0)
-    anchors = [sample_anchors(e, cfg, rng) for e in examples]
-    batch = pack(examples, features, anchors, cfg.block_size, MASK, cfg.gamma)
+    seqs = make_examples(rng, 3) + [Window("w", [rng.randrange(90) for _ in range(20)])]
+    L = max(len(s.tokens) for s in seqs)
+    features = mx.random.normal((len(seqs), L, 6))
+    greedy = np.array([[s.tokens[i + 1] if i + 1 < len(s.tokens) and rng.random() < 0.7 else rng.randrange(90)
+                        for i in range(L)] for s in seqs])
+    blocks, batch = packed(rng, seqs, features, greedy, 5, 24, vocab=set(range(80)))
     visible = np.array(batch.visible)
-    N = batch.features.shape[1]
-    seq_of_context = np.concatenate([[s] * max(a) for s, a in enumerate(anchors)])
+    Q = visible.shape[2]
     labels = dict(zip(np.array(batch.label_index).tolist(), zip(np.array(batch.labels).tolist(),
                                                                 np.array(batch.weights).tolist())))
-    q = 0
-    for s, (example, seq_anchors) in enumerate(zip(examples, anchors)):
-        assert all(len(example.prompt_ids) <= a <= len(example.tokens) - 2 for a in seq_anchors)
-        for a in seq_anchors:
-            for i in range(cfg.block_size):
-                row = visible[q + i]
-                ctx = np.nonzero(row[:N])[0]
-                # only this sequence's context, exactly the positions before the anchor
-                assert (seq_of_context[ctx] == s).all()
-                assert np.array(batch.context_positions)[ctx].tolist() == list(range(a))
-                # only this block's positions, in both directions
-                assert np.nonzero(row[N:])[0].tolist() == list(range(q, q + cfg.block_size))
-                assert batch.block_positions[q + i].item() == a + i
-                assert batch.block_tokens[0, q + i].item() == (example.tokens[a] if i == 0 else MASK)
-                if i > 0 and a + i < len(example.tokens):
-                    token, weight = labels[q + i]
-                    assert token == example.tokens[a + i]
-                    assert weight == pytest.approx(math.exp(-(i - 1) / cfg.gamma))
+    tokens = np.array(batch.block_tokens)[0]
+    assert all(blocks) and batch.groups == len(seqs)
+    for s, (seq, seq_blocks) in enumerate(zip(seqs, blocks)):
+        counts = label_counts(seq.tokens, greedy[s], 5)
+        assert sum(1 + n for _, n in seq_blocks) <= 24
+        q = 0
+        for a, n in seq_blocks:
+            assert seq.first_anchor <= a < len(seq.tokens) and n == counts[a]
+            for i in range(n + 1):
+                row = visible[s, 0, q + i]
+                assert np.nonzero(row[:L])[0].tolist() == list(range(a))  # exactly the positions before the anchor
+                assert np.nonzero(row[L:])[0].tolist() == list(range(q, q + n + 1))  # its block, both ways
+                assert batch.block_positions[s * Q + q + i].item() == a + i
+                assert tokens[s * Q + q + i] == (seq.tokens[a] if i == 0 else MASK)
+                label = labels.get(s * Q + q + i)
+                if i == 0 or greedy[s, a + i - 1] >= 80:
+                    assert label is None  # the anchor, and labels outside the vocabulary, are not predicted
                 else:
-                    assert q + i not in labels  # the anchor and positions past the end are not predicted
-            q += cfg.block_size
-    assert q == visible.shape[0]
+                    assert label == (greedy[s, a + i - 1], pytest.approx(math.exp(-(i - 1) / 3.0)))
+            q += n + 1
+        for pad in range(q, Q):
+            assert np.nonzero(visible[s, 0, pad])[0].tolist() == [L + pad]
 
 
 def test_packed_training_pass_equals_the_decode_pass():
@@ -81,22 +100,36 @@ def test_packed_training_pass_equals_the_decode_pass():
     target = tiny_target("llama", seed=3)
     draft = new_drafter(target, TrainConfig(block_size=4, num_layers=2, num_target_layers=2), MASK)
     rng = random.Random(1)
-    examples = make_examples(rng, 3)
-    features = [target(mx.array(e.tokens)[None], target.make_cache(), draft.target_layer_ids)[1][0]
-                for e in examples]
-    anchors = [sample_anchors(e, TrainConfig(block_size=4, anchors_per_block_span=2.0), rng) for e in examples]
-    batch = pack(examples, features, anchors, 4, MASK, 4.0)
+    seqs = make_examples(rng, 3) + [Window("w", [rng.randrange(90) for _ in range(12)])]
+    features, greedy = target_pass(target, seqs, draft.target_layer_ids)
+    blocks, batch = packed(rng, seqs, features, greedy, 4, 16)
     context = PackedContext(batch, draft.context(batch.features))
-    packed = draft.run_layers(batch.block_tokens, [context] * len(draft.layers))[0]
-    q = 0
-    for example, f, seq_anchors in zip(examples, features, anchors):
-        for a in seq_anchors:
+    out = draft.run_layers(batch.block_tokens, [context] * len(draft.layers))[0]
+    Q = batch.visible.shape[2]
+    for s, (seq, seq_blocks) in enumerate(zip(seqs, blocks)):
+        alone_features = target(mx.array(seq.tokens)[None], target.make_cache(), draft.target_layer_ids)[1]
+        q = 0
+        for a, n in seq_blocks:
             cache = draft.make_cache()
-            draft.add_context(f[None, :a], cache)
-            block = mx.array([[example.tokens[a]] + [MASK] * 3])
-            alone = draft.run_layers(block, cache)[0]
-            np.testing.assert_allclose(np.array(packed[q : q + 4]), np.array(alone), rtol=1e-4, atol=1e-4)
-            q += 4
+            draft.add_context(alone_features[:, :a], cache)
+            alone = draft.run_layers(mx.array([[seq.tokens[a]] + [MASK] * n]), cache)[0]
+            np.testing.assert_allclose(np.array(out[s * Q + q : s * Q + q + n + 1]), np.array(alone),
+                                       rtol=1e-4, atol=1e-4)
+            q += n + 1
+
+
+def test_grown_drafter_computes_what_it_did():
+    target = tiny_target("llama", seed=3)
+    draft = new_drafter(target, TrainConfig(block_size=4, num_layers=1, num_target_layers=2), MASK)
+    bigger = grow(draft, 3)
+    assert len(bigger.layers) == 3 and bigger.args.num_hidden_layers == 3
+    features = target(mx.array([[1, 2, 3, 4, 5]]), target.make_cache(), draft.target_layer_ids)[1]
+    outs = []
+    for d in (draft, bigger):
+        cache = d.make_cache()
+        d.add_context(features, cache)
+        outs.append(np.array(d(mx.array([[7, MASK, MASK, MASK]]), cache)))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
 def self_distilled(target, n, length, seed=0):

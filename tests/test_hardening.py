@@ -1,0 +1,330 @@
+"""The edge of the product: every bad input is one clear line (CLI) or a ValueError /
+TypeError naming the argument (API); files are written all-or-nothing; seeded
+sampling does not depend on timing."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mlx import generate, load, stream_generate
+from dflash_mlx.cli import app
+from dflash_mlx.convert import convert_target
+from dflash_mlx.draft import save_draft
+from dflash_mlx.storage import staged
+from gguf_fixtures import write_gguf
+from tiny_models import random_draft
+
+runner = CliRunner()
+REPO = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """A tiny llama model dir (tokenizer and chat template included) and a drafter for it."""
+    root = tmp_path_factory.mktemp("tiny")
+    write_gguf(root / "m.gguf", "llama", "F32")
+    model_dir = convert_target(str(root / "m.gguf"), root / "model", show_progress=False)
+    model, _ = load(str(model_dir), use_draft=False)
+    save_draft(random_draft(model.target, layer_ids=(0, 1), block_size=4), root / "draft")
+    return model_dir, root / "draft"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_dirs):
+    model_dir, draft_dir = tiny_dirs
+    return load(str(model_dir), str(draft_dir), adaptive=False)
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code != 0, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.output + result.stderr
+    return errors[0]
+
+
+def cli_cases(tiny_dirs, tmp_path):
+    model, draft = map(str, tiny_dirs)
+    readonly = tmp_path / "not-a-folder"  # a file: nothing can be written under it, not even as root
+    readonly.write_text("")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in Path(model).iterdir():
+        (broken / f.name).write_bytes(f.read_bytes()[: 100] if f.suffix == ".safetensors" else f.read_bytes())
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for f in Path(model).iterdir():
+        if not f.name.startswith("tokenizer"):
+            (no_tokenizer / f.name).write_bytes(f.read_bytes())
+    short_config = tmp_path / "short-config"
+    short_config.mkdir()
+    for f in Path(model).iterdir():
+        data = f.read_bytes()
+        if f.name == "config.json":
+            config = json.loads(data)
+            del config["hidden_size"]
+            data = json.dumps(config).encode()
+        (short_config / f.name).write_bytes(data)
+    gen = ["generate", "--model", model, "--draft", draft, "--prompt", "hi"]
+    data = str(REPO / "data" / "smollm2-135m")
+    return [
+        # generate: numbers
+        (gen + ["--temp", "nan"], "temp must be finite"),
+        (gen + ["--temp", "-1"], "temperature must be >= 0"),
+        (gen + ["--top-p", "0"], "top-p"),
+        (gen + ["--top-k", "-3"], "top-k"),
+        (gen + ["--max-tokens", "0"], "--max-tokens"),
+        (gen + ["--block-size", "9"], "between 1 and 4"),
+        (gen + ["--block-size", "0"], "--block-size"),
+        (gen + ["--max-tokens", "100000"], "context"),
+        # generate: text and paths
+        (["generate", "--model", model, "--prompt", "  "], "prompt is empty"),
+        (["generate", "--model", model, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], "UTF-8"),
+        (["generate", "--model", model, "--draft", "./nowhere", "--prompt", "hi"], "no directory at ./nowhere"),
+        (["generate", "--model", str(broken), "--prompt", "hi"], "re-download or re-convert"),
+        (["generate", "--model", str(no_tokenizer), "--prompt", "hi"], "no tokenizer (tokenizer.json)"),
+        (["generate", "--model", str(short_config), "--prompt", "hi"], "cannot load the model"),
+        # convert
+        (["convert", "draft", draft, str(readonly / "out")], "cannot write the output folder"),
+        (["convert", "draft", draft, str(tmp_path / "q"), "--q-bits", "3"], "--q-bits"),
+        (["convert", "target", str(tmp_path / "missing.gguf"), str(tmp_path / "t")], "missing.gguf"),
+        # train
+        (["train", "make-data", "--model", model, "--out", str(readonly / "d"), "--prompts", "builtin"],
+         "cannot write the data folder"),
+        (["train", "make-data", "--model", model, "--out", str(tmp_path / "d"), "--budget", "-5"], "--budget"),
+        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"), "--lr", "-1"], "lr must be"),
+        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"), "--lr", "nan"], "lr must be"),
+        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
+          "--sequences-per-step", "0"], "sequences per step"),
+        (["train", "fit", "--model", model, "--data", data, "--out", str(readonly / "f")], "cannot write"),
+        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
+          "--target-layer-ids", "1,x"], "comma-separated integers"),
+        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f")], "different target"),
+        # bench
+        (["bench", "--model", model, "--draft", draft, "--out", str(readonly / "b")], "cannot write the results"),
+        (["bench", "--model", model, "--draft", draft, "--modes", "fast"], "--modes"),
+        (["bench", "--model", model, "--draft", draft, "-n", "0"], "--prompts-per-set"),
+    ]
+
+
+def test_every_bad_cli_input_is_one_line_and_leaves_nothing(tiny_dirs, tmp_path):
+    before = set(tmp_path.rglob("*"))
+    cases = cli_cases(tiny_dirs, tmp_path)
+    made = set(tmp_path.rglob("*")) - before
+    for args, message in cases:
+        line = one_error_line(runner.invoke(app, args))
+        assert message in line, (args, line)
+    left = set(tmp_path.rglob("*")) - before - made
+    assert not left, sorted(map(str, left))[:5]
+
+
+def test_every_bad_api_argument_names_itself(tiny_pair):
+    model, tokenizer = tiny_pair
+    vocab = model.target.vocab_size
+    cases = [
+        (dict(prompt=[1, vocab + 5]), ValueError, "outside the vocabulary"),
+        (dict(prompt=[-1, 2]), ValueError, "outside the vocabulary"),
+        (dict(prompt=12), TypeError, "prompt must be"),
+        (dict(prompt=b"hello"), TypeError, "prompt must be"),
+        (dict(prompt=[1.5, 2.0]), TypeError, "token ids"),
+        (dict(prompt=mx.array([0.5])), TypeError, "integer token ids"),
+        (dict(prompt=[]), ValueError, "prompt is empty"),
+        (dict(prompt="caf\udce9"), ValueError, "UTF-8"),
+        (dict(prompt="hi", temp=float("nan")), ValueError, "temp"),
+        (dict(prompt="hi", top_p=float("inf")), ValueError, "top_p"),
+        (dict(prompt="hi", temp="0.5"), TypeError, "temp"),
+        (dict(prompt="hi", seed=1.5), TypeError, "seed"),
+        (dict(prompt="hi", max_tokens=0), ValueError, "max_tokens"),
+        (dict(prompt="hi", max_tokens=2.5), TypeError, "max_tokens"),
+        (dict(prompt="hi", block_size=5), ValueError, "block_size"),
+        (dict(prompt="hi", stop=[1]), TypeError, "stop"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            generate(model, tokenizer, max_tokens=kwargs.pop("max_tokens", 4), **kwargs)
+
+
+def test_stop_may_be_a_single_string(tiny_pair):
+    model, tokenizer = tiny_pair
+    full = generate(model, tokenizer, "hello world", max_tokens=24)
+    assert len(full) > 4
+    stop = full[3:5]
+    cut = generate(model, tokenizer, "hello world", max_tokens=24, stop=stop)
+    assert cut == full[: full.find(stop)]
+
+
+def test_seeds_of_any_size_are_reproducible(tiny_pair):
+    model, tokenizer = tiny_pair
+    for seed in (0, -7, 2**70):
+        runs = [generate(model, tokenizer, "hello", max_tokens=12, temp=0.9, seed=seed) for _ in range(2)]
+        assert runs[0] == runs[1]
+
+
+def test_seeded_sampling_ignores_timing_in_the_adaptive_mode(tiny_dirs, monkeypatch):
+    """Same seed, default adaptive width, the cycle clock perturbed differently on each
+    run (so the chooser picks different widths): the same text."""
+    from dflash_mlx import engine
+    from dflash_mlx.adaptive import CostModel, WidthChooser
+
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
+    real = time.perf_counter
+    texts, widths = [], []
+    for run in range(4):
+        rng = random.Random(run)
+        monkeypatch.setattr(engine.time, "perf_counter", lambda: real() + rng.random() * 0.05)
+        # a cost curve on which drafting and plain decoding are close, so timing noise moves the choice
+        model.chooser = WidthChooser(CostModel([1, 2, 4], [0.010, 0.012, 0.016], 0.003, 0.0005, 0.0002, 0.0004), 4)
+        last = None
+        text = ""
+        for last in stream_generate(model, tokenizer, "tell me a story", max_tokens=40, temp=0.8, top_p=0.95,
+                                    seed=3):
+            text += last.text
+        texts.append(text)
+        widths.append(tuple(last.widths))
+    assert len(set(texts)) == 1
+    assert len(set(widths)) > 1  # the perturbation did change the widths
+    plain, _ = load(str(model_dir), use_draft=False)
+    assert generate(plain, tokenizer, "tell me a story", max_tokens=40, temp=0.8, top_p=0.95, seed=3) == texts[0]
+
+
+def test_prompt_fuzz_never_crashes(tiny_pair):
+    model, tokenizer = tiny_pair
+    rng = random.Random(0)
+    vocab = model.target.vocab_size
+    for i in range(40):
+        kind = i % 4
+        if kind == 0:
+            prompt = bytes(rng.randrange(256) for _ in range(rng.randint(0, 40))).decode("utf-8", "surrogateescape")
+        elif kind == 1:
+            prompt = [rng.randrange(-5, vocab + 5) for _ in range(rng.randint(0, 12))]
+        elif kind == 2:
+            prompt = "".join(chr(rng.randrange(0x20, 0x2FFF)) for _ in range(rng.randint(1, 30)))
+        else:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        try:
+            out = generate(model, tokenizer, prompt, max_tokens=6, temp=rng.choice([0.0, 1.0]), seed=i)
+            assert isinstance(out, str)
+        except (ValueError, TypeError) as e:
+            assert "\n" not in str(e) and str(e)
+
+
+def test_corrupt_cost_cache_is_measured_again(tiny_dirs, tmp_path, monkeypatch, capsys):
+    from dflash_mlx.adaptive import cached_costs
+
+    calls = []
+
+    def measure():
+        calls.append(1)
+        from dflash_mlx.adaptive import CostModel
+
+        return CostModel([1, 2], [0.01, 0.02], 0.001)
+
+    first = cached_costs("k", measure, tmp_path)
+    stored = next((tmp_path / "costs").glob("*.json"))
+    for junk in ('{"widths": [1, 2], "sec', '{"foo": 1}', '{"widths": "x", "seconds": [], "draft_seconds": 1}'):
+        stored.write_text(junk)
+        again = cached_costs("k", measure, tmp_path)
+        assert again == first
+        assert json.loads(stored.read_text())["widths"] == [1, 2]
+    assert len(calls) == 4
+    assert "measuring again" in " ".join(capsys.readouterr().err.split())
+
+
+def test_empty_cache_variable_means_the_default(monkeypatch):
+    from dflash_mlx.storage import cache_dir
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "dflash-mlx"
+
+
+def test_a_failed_staged_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with staged(tmp_path / "out", force=False) as staging:
+            (staging / "half").write_text("x")
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+WRITER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import dflash_mlx
+from pathlib import Path
+from dflash_mlx.storage import staged
+with staged(Path({out!r}), force=False) as staging:
+    (staging / "big").write_bytes(b"x" * 1000)
+    print("staging", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_sigterm_during_a_staged_write_leaves_nothing(tmp_path):
+    script = WRITER.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "staging"
+    assert any(tmp_path.iterdir())
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_staging_dirs_of_dead_writers_are_swept(tmp_path):
+    script = WRITER.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "staging"
+    proc.kill()  # SIGKILL: no cleanup possible
+    proc.wait(timeout=30)
+    assert any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+    with staged(tmp_path / "out", force=False) as staging:
+        (staging / "done").write_text("ok")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+FIRST_USE = """
+import sys
+import dflash_mlx
+from dflash_mlx.registry import smollm2_path
+print(smollm2_path(show_progress=False))
+"""
+
+
+def test_two_first_uses_of_the_default_model_at_once(tmp_path, smollm2_dir):
+    """Two processes on an empty cache: both succeed, one waits for the other's conversion."""
+    gguf = Path(smollm2_dir).parent.parent / "gguf"
+    env = {**os.environ, "DFLASH_MLX_CACHE": str(tmp_path)}
+    (tmp_path / "gguf").mkdir()
+    for f in gguf.glob("*.gguf"):  # the download is cached; the conversion is what races
+        (tmp_path / "gguf" / f.name).symlink_to(f)
+    procs = [subprocess.Popen([sys.executable, "-c", FIRST_USE], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-500:] for o in outs]
+    model_dir = Path(outs[0][0].strip().splitlines()[-1])
+    assert (model_dir / "config.json").is_file()
+    assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(f".{model_dir.name}.")
+                and p.is_dir()]
+    model, _ = load(str(model_dir), use_draft=False)
+    assert model.target.num_layers == 30
+
+
+def test_import_order_is_reported():
+    """mlx imported before dflash_mlx: the slow BLAS is named, with the fix, once."""
+    script = "import mlx.core\nimport warnings\nwarnings.simplefilter('always')\nimport dflash_mlx\n" \
+             "from dflash_mlx import _blas\nprint(_blas.status())"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    if not Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3").exists():
+        pytest.skip("no OpenBLAS on this machine: nothing to report")
+    assert "import dflash_mlx before mlx" in result.stderr
+    assert "mlx was imported before dflash_mlx" in result.stdout
