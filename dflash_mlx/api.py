@@ -1,5 +1,6 @@
 """Public API: load a target (+ drafter), stream or return generated text."""
 
+import hashlib
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,7 @@ def load(
         drafter = load_draft(draft_path, dtype=dtype).bind(target)
     chooser = None
     if drafter is not None and adaptive:
-        key = f"{target_path.name}-{target.dtype}-{Path(resolved.draft).name}"
+        key = f"{target_path.name}-{target.dtype}-{Path(resolved.draft).name}-{_fingerprint(draft_path)}"
         def measure():
             console.print("Measuring this machine's verify cost for the adaptive block size (once)", style="dim")
             return measure_costs(target, drafter)
@@ -78,6 +79,16 @@ def load(
         cost = cached_costs(key, measure, cache_dir())
         chooser = WidthChooser(cost, drafter.block_size)
     return DFlashModel(target, drafter, note, chooser), tokenizer
+
+
+def _fingerprint(folder: Path) -> str:
+    """Changes when a drafter dir's files change (its measured costs then do too)."""
+    digest = hashlib.sha1()
+    for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+        if f.suffix == ".json":
+            digest.update(f.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def _load_target(path: Path):

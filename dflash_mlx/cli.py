@@ -210,25 +210,39 @@ def fit(
 @train_app.command("eval")
 @user_errors
 def evaluate(
-    data: str = typer.Option(..., "--data", "-d", help="Data dir: its last --prompts examples are the held-out set."),
     draft: str = typer.Option(..., "--draft", help="Drafter dir to evaluate."),
+    data: Optional[str] = typer.Option(None, "--data", "-d", help="Data dir: its last --prompts examples are the held-out set."),
+    sets: Optional[str] = typer.Option(None, "--sets", help="Benchmark prompt sets instead (comma-separated: gsm8k, humaneval, mtbench, ...)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
-    prompts: int = typer.Option(8, "--prompts", help="Held-out examples (as in fit)."),
+    prompts: int = typer.Option(8, "--prompts", help="Held-out examples (as in fit), or prompts per set."),
     max_tokens: int = typer.Option(96, "--max-tokens"),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Fixed width (default: the drafter's block)."),
 ):
-    """Held-out tau of a drafter: greedy, the real decode loop, fixed width."""
-    from .api import load
+    """Tau of a drafter (greedy, the real decode loop, fixed width) and the acceptance
+    rate of each block position, on held-out data or benchmark prompts."""
+    from .api import format_prompt, load
     from .data import read_data, target_fingerprint
-    from .train import evaluate_tau, split_held_out
+    from .train import committed_lengths, position_acceptance, split_held_out
 
     if prompts <= 0 or max_tokens <= 0:
         fail("--prompts and --max-tokens must be > 0")
+    if (data is None) == (sets is None):
+        fail("pass either --data (held-out examples) or --sets (benchmark prompts)")
     pair, tokenizer = load(model, draft, adaptive=False)
-    examples = read_data(data, target_fingerprint(pair.target, tokenizer))
-    held_out, _ = split_held_out(examples, prompts)
-    tau = evaluate_tau(pair.target, pair.draft, [e.prompt_ids for e in held_out], max_tokens, block_size)
-    typer.echo(f"held-out tau {tau:.3f} ({len(held_out)} prompts, block {block_size or pair.draft.block_size}, greedy)")
+    width = block_size or pair.draft.block_size
+    if sets is not None:
+        from .benchmarks import load_prompts
+
+        groups = {name: [format_prompt(tokenizer, p) for p in load_prompts(name.strip(), prompts)]
+                  for name in sets.split(",") if name.strip()}
+    else:
+        held_out, _ = split_held_out(read_data(data, target_fingerprint(pair.target, tokenizer)), prompts)
+        groups = {"held-out": [e.prompt_ids for e in held_out]}
+    for name, group in groups.items():
+        lengths = committed_lengths(pair.target, pair.draft, group, max_tokens, width)
+        rates = " ".join(f"{r:.2f}" for r in position_acceptance(lengths, width))
+        typer.echo(f"{name}: tau {sum(lengths) / max(len(lengths), 1):.3f} ({len(group)} prompts, block {width}, "
+                   f"greedy, {max_tokens} tokens); acceptance by position: {rates}")
 
 
 @app.command()

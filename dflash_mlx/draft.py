@@ -244,6 +244,7 @@ class DFlashDraftModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._target = None  # a plain object, so its weights are not our parameters
         self.quantization: Optional[dict] = None  # mlx-style entry when the linears are quantized
+        self._vocab = DraftVocabulary(None)  # a plain object too: not a parameter
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -266,6 +267,19 @@ class DFlashDraftModel(nn.Module):
         """Borrow `target`'s embedding and lm_head after checking the pair fits."""
         check_pair(self.args, target)
         self._target = target
+        self._vocab.bind(target)
+        return self
+
+    @property
+    def vocab_ids(self) -> Optional[mx.array]:
+        """The token ids it drafts from (None: the whole vocabulary)."""
+        return self._vocab.token_ids
+
+    def restrict_vocab(self, token_ids) -> "DFlashDraftModel":
+        """Draft from `token_ids` only (sorted, unique); None drafts from the whole vocabulary."""
+        self._vocab = DraftVocabulary(token_ids, self.args.vocab_size)
+        if self._target is not None:
+            self._vocab.bind(self._target)
         return self
 
     def make_cache(self) -> list[ContextKV]:
@@ -291,8 +305,9 @@ class DFlashDraftModel(nn.Module):
         return self.norm(h)
 
     def __call__(self, block: mx.array, cache: list[ContextKV]) -> mx.array:
-        """Logits for the block's positions 1..L-1 given block = [last token, mask...]."""
-        return self._target.lm_head(self.run_layers(block, cache)[:, 1:])
+        """Logits for the block's positions 1..L-1 given block = [last token, mask...],
+        over its drafting vocabulary (vocab_ids, when restricted)."""
+        return self._vocab.head(self.run_layers(block, cache)[:, 1:])
 
     def sanitize(self, weights: dict) -> dict:
         out = {}
@@ -304,6 +319,27 @@ class DFlashDraftModel(nn.Module):
                 continue
             out[name] = value
         return out
+
+
+VOCAB_FILE = "draft_vocab.json"  # optional; other runtimes ignore it and draft from the whole vocabulary
+
+
+class DraftVocabulary:
+    """The subset of token ids a drafter proposes from (FR-Spec style): its lm_head then
+    runs over those rows only.  Any proposal is verified, so this never changes the
+    output, only how cheap and how good the drafts are."""
+
+    def __init__(self, token_ids, vocab_size: Optional[int] = None):
+        if token_ids is not None:
+            ids = sorted(set(int(t) for t in token_ids))
+            if not ids or ids[0] < 0 or (vocab_size is not None and ids[-1] >= vocab_size):
+                raise DraftLoadError(f"drafting vocabulary ids must lie in 0..{vocab_size - 1}")
+            token_ids = mx.array(ids, dtype=mx.int32)
+        self.token_ids = token_ids
+        self.head = None
+
+    def bind(self, target) -> None:
+        self.head = target.lm_head if self.token_ids is None else target.head_rows(self.token_ids)
 
 
 def check_pair(args: DraftArgs, target) -> None:
@@ -382,6 +418,12 @@ def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraf
         )
         model.quantization = quantization
     _load_weights_checked(model, weights, path)
+    if (path / VOCAB_FILE).is_file():
+        try:
+            model.restrict_vocab(json.loads((path / VOCAB_FILE).read_text())["token_ids"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise DraftLoadError(f"{path / VOCAB_FILE} is not a drafting vocabulary ({e}); delete it or "
+                                 "re-export the drafter") from None
     model.set_dtype(safe_activation_dtype(dtype or model.dtype))
     mx.eval(model.parameters())
     model.eval()
@@ -425,4 +467,6 @@ def save_draft(model: DFlashDraftModel, path: str | Path, quantization: Optional
     weights = dict(tree_flatten(model.parameters()))
     # "pt" is what transformers / SGLang / vLLM expect in the safetensors header
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    if model.vocab_ids is not None:
+        (path / VOCAB_FILE).write_text(json.dumps({"token_ids": model.vocab_ids.tolist()}))
     return path

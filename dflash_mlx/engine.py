@@ -128,7 +128,11 @@ def draft(model: DFlashModel, last: mx.array, context: Context, width: int, para
     noise of their output positions (`noise` covers the whole verify block)."""
     mask = mx.full((width - 1,), model.draft.mask_token_id, dtype=mx.int32)
     block = mx.concatenate([last.reshape(1).astype(mx.int32), mask])[None]
-    return choose(model.draft(block, context.flush())[0], params, None if noise is None else noise[:-1])
+    logits = model.draft(block, context.flush())[0]
+    ids = model.draft.vocab_ids
+    if ids is None:
+        return choose(logits, params, None if noise is None else noise[:-1])
+    return ids[choose(logits, params, None if noise is None else noise[:-1, ids])]
 
 
 def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, context: Context,

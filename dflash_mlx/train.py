@@ -336,16 +336,33 @@ def split_held_out(examples: list[Example], n: int) -> tuple[list[Example], list
     return examples[-n:], examples[:-n]
 
 
-def evaluate_tau(target: Target, draft: DFlashDraftModel, prompts: list[list[int]], max_tokens: int,
-                 block_size: Optional[int] = None) -> float:
-    """Mean accepted tokens per cycle in the real greedy decode loop."""
+def committed_lengths(target: Target, draft: DFlashDraftModel, prompts: list[list[int]], max_tokens: int,
+                      block_size: Optional[int] = None) -> list[int]:
+    """Tokens committed per cycle in the real greedy decode loop, over all prompts."""
     lengths = []
     for prompt in prompts:
         stats = DecodeStats()
         for _ in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens, block_size, stats):
             pass
         lengths += stats.accepted_lengths
+    return lengths
+
+
+def evaluate_tau(target: Target, draft: DFlashDraftModel, prompts: list[list[int]], max_tokens: int,
+                 block_size: Optional[int] = None) -> float:
+    """Mean tokens committed per cycle (tau) in the real greedy decode loop."""
+    lengths = committed_lengths(target, draft, prompts, max_tokens, block_size)
     return sum(lengths) / max(len(lengths), 1)
+
+
+def position_acceptance(lengths: list[int], width: int) -> list[float]:
+    """Acceptance rate of block position k given positions 1..k-1 were accepted, k = 1..width-1
+    (a cycle that committed n tokens accepted n - 1 drafts)."""
+    rates = []
+    for k in range(1, width):
+        reached = sum(n - 1 >= k - 1 for n in lengths)
+        rates.append(sum(n - 1 >= k for n in lengths) / reached if reached else 0.0)
+    return rates
 
 
 # ---------------------------------------------------------------- the loop
@@ -396,6 +413,8 @@ def grow(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
             layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
             layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     mx.eval(bigger.parameters())
+    if draft.vocab_ids is not None:
+        bigger.restrict_vocab(draft.vocab_ids.tolist())
     return bigger.bind(draft._target)
 
 
@@ -449,6 +468,7 @@ def fit(
     counts = Counter(t for e in train_set for t in e.response_ids)
     counts.update(t for w in text for t in w.tokens)
     head = RestrictedHead(output_embeddings(target), counts, cfg.head_size)
+    draft.restrict_vocab(head.token_ids)  # it drafts from the ids it was trained to predict
     total_steps = cfg.steps or cfg.epochs * math.ceil(len(train_set) / max(chat_per_step, 1))
     log(f"{len(train_set)} training sequences ({sum(len(e.response_ids) for e in train_set)} response tokens), "
         f"{len(text)} text windows; {chat_per_step} + {text_per_step} per step, {total_steps} steps; "
@@ -542,4 +562,6 @@ def export(draft: DFlashDraftModel, out_dir: Path, dtype: mx.Dtype = mx.bfloat16
     """The release: a z-lab format drafter in bf16, as z-lab ships them."""
     release = DFlashDraftModel(draft.args)
     release.update(tree_map(lambda p: p.astype(dtype), draft.parameters()))
+    if draft.vocab_ids is not None:
+        release.restrict_vocab(draft.vocab_ids.tolist())
     return save_draft(release, out_dir)

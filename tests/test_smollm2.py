@@ -115,8 +115,12 @@ def test_cli_evaluates_a_drafter_on_held_out_data():
     result = runner.invoke(app, ["train", "eval", "--data", str(data), "--draft", str(DEFAULT_DRAFT),
                                  "--prompts", "1", "--max-tokens", "16"])
     assert result.exit_code == 0, result.output
-    assert float(result.output.split("held-out tau ")[1].split()[0]) >= 1.0
+    assert float(result.output.split("held-out: tau ")[1].split()[0]) >= 1.0
+    rates = [float(r) for r in result.output.split("acceptance by position: ")[1].split()]
+    assert len(rates) == 15 and all(0 <= r <= 1 for r in rates)
     missing = runner.invoke(app, ["train", "eval", "--data", str(data), "--draft", "./missing-drafter"])
     assert missing.exit_code != 0 and "missing-drafter" in missing.output and "Traceback" not in missing.output
     empty = runner.invoke(app, ["train", "eval", "--data", str(data), "--draft", str(DEFAULT_DRAFT), "--prompts", "0"])
     assert empty.exit_code != 0 and "--prompts" in empty.output and "Traceback" not in empty.output
+    neither = runner.invoke(app, ["train", "eval", "--draft", str(DEFAULT_DRAFT)])
+    assert neither.exit_code != 0 and "--sets" in neither.output

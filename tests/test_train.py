@@ -24,6 +24,7 @@ from dflash_mlx.train import (
     label_counts,
     new_drafter,
     pack,
+    position_acceptance,
     sample_blocks,
     stratified_layer_ids,
     target_pass,
@@ -208,3 +209,8 @@ def test_bad_training_input(tmp_path):
     with pytest.raises(ValueError, match="held-out"):
         fit(target, None, [Example("p", [1, 2], [3, 4])] * 3, tmp_path / "o", TrainConfig(mask_token_id=MASK),
             show_progress=False)
+
+
+def test_position_acceptance_is_conditional():
+    # cycles committing 1, 2, 3 and 3 tokens at width 3: position 1 accepted in 3 of 4, position 2 in 2 of 3
+    assert position_acceptance([1, 2, 3, 3], 3) == [0.75, pytest.approx(2 / 3)]
