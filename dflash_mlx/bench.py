@@ -87,9 +87,13 @@ def run_bench(
     """Run the benchmark; write results.json, results.md and plots into `out_dir`."""
     if model.draft is None:
         raise ValueError("the benchmark compares DFlash with plain decoding: this model has no drafter")
+    if prompts_per_set <= 0 or max_tokens <= 0:
+        raise ValueError(f"prompts_per_set and max_tokens must be > 0, got {prompts_per_set} and {max_tokens}")
+    if not modes or set(modes) - {"greedy", "sampled"}:
+        raise ValueError(f"modes must be greedy and/or sampled, got {modes}")
+    prompts = {name: load_prompts(name, prompts_per_set) for name in sets}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = {name: load_prompts(name, prompts_per_set) for name in sets}
     runs: list[Run] = []
     total = sum(len(p) for p in prompts.values()) * len(modes)
     with progress(show_progress) as bar:

@@ -86,6 +86,7 @@ def cli_cases(tiny_dirs, tmp_path):
         (gen + ["--max-tokens", "0"], "--max-tokens"),
         (gen + ["--block-size", "9"], "between 1 and 4"),
         (gen + ["--block-size", "0"], "--block-size"),
+        (["generate", "--model", "Qwen9-Imaginary", "--prompt", "hi"], "unknown model 'Qwen9-Imaginary'"),
         (gen + ["--max-tokens", "100000"], "context"),
         # generate: text and paths
         (["generate", "--model", model, "--prompt", "  "], "prompt is empty"),
@@ -152,6 +153,42 @@ def test_every_bad_api_argument_names_itself(tiny_pair):
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             generate(model, tokenizer, max_tokens=kwargs.pop("max_tokens", 4), **kwargs)
+
+
+def test_other_api_entry_points_name_their_bad_arguments(tiny_pair, tmp_path):
+    from dflash_mlx.bench import run_bench
+    from dflash_mlx.convert import convert_draft
+    from dflash_mlx.train import TrainConfig
+
+    model, tokenizer = tiny_pair
+    cases = [
+        (lambda: convert_draft("x", tmp_path / "o", q_bits=3), ValueError, "q-bits"),
+        (lambda: convert_draft("x", tmp_path / "o", dtype="float16"), ValueError, "dtype"),
+        (lambda: convert_target(str(tmp_path / "m.gguf"), tmp_path / "o", q_group_size=7), ValueError, "group"),
+        (lambda: TrainConfig(lr=float("nan")), ValueError, "lr"),
+        (lambda: TrainConfig(sequences_per_step=0), ValueError, "sequences per step"),
+        (lambda: TrainConfig(text_fraction=1.5), ValueError, "text_fraction|text fraction"),
+        (lambda: run_bench(model, tokenizer, ["nope"], 2, 8, ["greedy"], tmp_path / "b"), ValueError, "nope"),
+        (lambda: run_bench(model, tokenizer, ["gsm8k"], 0, 8, ["greedy"], tmp_path / "b"), ValueError,
+         "prompts_per_set"),
+        (lambda: run_bench(model, tokenizer, ["gsm8k"], 2, 8, ["fast"], tmp_path / "b"), ValueError, "modes"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fixed_width_stats_do_not_claim_adaptivity(tiny_dirs):
+    from dflash_mlx.api import format_stats
+
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir))
+    assert model.chooser is not None
+    fixed = list(stream_generate(model, tokenizer, "hello", max_tokens=10, block_size=3))[-1]
+    assert "Adaptive width" not in format_stats(fixed, model)
+    adaptive = list(stream_generate(model, tokenizer, "hello", max_tokens=10))[-1]
+    assert "Adaptive width" in format_stats(adaptive, model)
 
 
 def test_stop_may_be_a_single_string(tiny_pair):
