@@ -49,7 +49,9 @@ class DraftArgs:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: Optional[int] = None
     is_causal: Optional[bool] = None
-    input_embedding_scale: float = 1.0
+    input_embedding_scale: float = 1.0  # times the target's own embedding scale (Gemma)
+    output_multiplier: float = 1.0  # on the drafter's logits, before soft-capping
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
@@ -68,13 +70,34 @@ class DraftArgs:
 
     @classmethod
     def from_config(cls, config: dict) -> "DraftArgs":
+        """Read a z-lab drafter config.json the way z-lab's own loader does; fields that
+        would change the computation and that we do not implement are refused."""
         dflash = config.get("dflash_config") or {}
+        unknown = sorted(set(dflash) - DFLASH_CONFIG_KEYS)
+        if unknown:
+            raise DraftLoadError(f"drafter config: unknown dflash_config field {unknown[0]!r}; "
+                                 "this drafter needs a newer dflash-mlx")
+        dflash2 = [k for k in DFLASH2_KEYS if dflash.get(k)]
+        if dflash2:
+            raise DraftLoadError(f"drafter config: {dflash2[0]} is a DFlash 2 field, but the architecture "
+                                 "says DFlashDraftModel; fix the config's architectures")
+        for key, allowed in UNSUPPORTED_FIELDS.items():
+            if key in config and config[key] not in allowed:
+                raise DraftLoadError(f"drafter config: {key}={config[key]!r} is not supported "
+                                     f"(it would change the drafter's computation)")
         merged = {**config, **{k: v for k, v in dflash.items() if v is not None}}
         missing = [k for k in ("target_layer_ids", "mask_token_id") if k not in merged]
         if missing:
             raise DraftLoadError(f"drafter config.json lacks dflash_config.{missing[0]}: not a DFlash drafter")
-        if "rope_theta" not in merged and isinstance(merged.get("rope_parameters"), dict):
-            merged["rope_theta"] = merged["rope_parameters"].get("rope_theta", 1000000.0)
+        rope = config.get("rope_parameters") or config.get("rope_scaling")
+        if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise DraftLoadError("drafter config: partial_rotary_factor is not supported")
+        merged["rope_scaling"] = rope
+        merged["rope_theta"] = config.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))
+        # z-lab reads these two from dflash_config only
+        merged["input_embedding_scale"] = float(dflash.get("input_embedding_scale", 1.0))
+        merged["output_multiplier"] = float(dflash.get("output_multiplier", 1.0))
+        merged["final_logit_softcapping"] = dflash.get("final_logit_softcapping", config.get("final_logit_softcapping"))
         names = {f.name for f in fields(cls)}
         try:
             return cls(**{k: v for k, v in merged.items() if k in names})
@@ -109,7 +132,21 @@ class DraftArgs:
                 "target_layer_ids": list(self.target_layer_ids),
             },
         }
+        if self.is_causal is not None:
+            config["is_causal"] = self.is_causal
+        extras = {"input_embedding_scale": (self.input_embedding_scale, 1.0),
+                  "output_multiplier": (self.output_multiplier, 1.0),
+                  "final_logit_softcapping": (self.final_logit_softcapping, None)}
+        config["dflash_config"].update({k: v for k, (v, default) in extras.items() if v != default})
         return config
+
+
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH_CONFIG_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "final_logit_softcapping",
+                      "input_embedding_scale", "output_multiplier", *DFLASH2_KEYS}
+# config fields that would change what the drafter computes: the values we implement
+UNSUPPORTED_FIELDS = {"hidden_act": ("silu",), "mlp_bias": (False,), "attn_logit_softcapping": (None,),
+                      "partial_rotary_factor": (1.0, 1), "query_pre_attn_scalar": (None,)}
 
 
 class ContextKV:
@@ -187,9 +224,12 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(
-            self.head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
-        )
+        try:
+            self.rope = initialize_rope(
+                self.head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise DraftLoadError(f"drafter config: RoPE {args.rope_scaling} is not supported ({e})") from None
 
     def _rope(self, x: mx.array, position) -> mx.array:
         """RoPE at `position`: an int offset for consecutive tokens, or an array with
@@ -298,8 +338,9 @@ class DFlashDraftModel(nn.Module):
     def run_layers(self, block: mx.array, contexts: list) -> mx.array:
         """Final-normed hidden states of every block position (1, L, hidden)."""
         h = self._target.embed_tokens(block).astype(self.dtype)
-        if self.args.input_embedding_scale != 1.0:
-            h = h * self.args.input_embedding_scale
+        scale = self._target.embed_scale * self.args.input_embedding_scale
+        if scale != 1.0:
+            h = h * scale
         for layer, context in zip(self.layers, contexts):
             h = layer(h, context)
         return self.norm(h)
@@ -307,7 +348,12 @@ class DFlashDraftModel(nn.Module):
     def __call__(self, block: mx.array, cache: list[ContextKV]) -> mx.array:
         """Logits for the block's positions 1..L-1 given block = [last token, mask...],
         over its drafting vocabulary (vocab_ids, when restricted)."""
-        return self._vocab.head(self.run_layers(block, cache)[:, 1:])
+        logits = self._vocab.head(self.run_layers(block, cache)[:, 1:])
+        if self.args.output_multiplier != 1.0:
+            logits = logits * self.args.output_multiplier
+        if self.args.final_logit_softcapping:
+            logits = mx.tanh(logits / self.args.final_logit_softcapping) * self.args.final_logit_softcapping
+        return logits
 
     def sanitize(self, weights: dict) -> dict:
         out = {}

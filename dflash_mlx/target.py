@@ -59,6 +59,8 @@ class Target:
         owner = getattr(model, "language_model", model)  # qwen3_5 wraps its text model
         self._inner = owner.model
         self.embed_tokens = self._inner.embed_tokens
+        # what the model multiplies its embeddings by (z-lab's drafters multiply theirs alike)
+        self.embed_scale = getattr(self.embed_tokens, "embed_scale", getattr(self._inner, "embed_scale", 1.0))
         self.lm_head = owner.lm_head if "lm_head" in owner else self.embed_tokens.as_linear
         self.layers = model.layers
 

@@ -19,4 +19,7 @@ fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[dev]"
+# z-lab's own implementation, a test oracle (tests/test_zlab_parity.py); its declared
+# dependencies (torch, datasets, pinned mlx) are not needed for its MLX module
+.venv/bin/python -m pip install -q --no-deps "dflash==0.1.0"
 echo "ready: .venv/bin/dflash-mlx"

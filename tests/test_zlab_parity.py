@@ -1,0 +1,102 @@
+"""Our drafter against z-lab's own MLX implementation (PyPI `dflash`, installed without
+its dependencies by scripts/setup.sh) on the same random weights: every config field
+that changes the computation is read and applied the way theirs does."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx.draft import DraftLoadError, load_draft, save_draft
+from tiny_models import random_draft, tiny_target
+
+zlab = pytest.importorskip("dflash.model_mlx", reason="z-lab's dflash package is installed by scripts/setup.sh")
+
+VARIANTS = {
+    "plain": {},
+    "sliding": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
+    "rope_parameters-yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0,
+                                                 "original_max_position_embeddings": 64}},
+    "rope_parameters-llama3": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "rope_theta": 5000.0,
+                                                   "original_max_position_embeddings": 64}},
+    "logit-fields": {"dflash_config": {"output_multiplier": 0.5, "final_logit_softcapping": 3.0,
+                                       "input_embedding_scale": 1.7}},
+    "causal": {"is_causal": True},
+}
+
+
+def write_drafter(target, folder, variant: dict, seed: int = 3):
+    save_draft(random_draft(target, seed=seed, layer_ids=(0, 2), block_size=6, num_hidden_layers=2,
+                            layer_types=["full_attention"] * 2), folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in variant.items():
+        if key == "dflash_config":
+            config["dflash_config"].update(value)
+        elif key == "rope_parameters":
+            config.pop("rope_theta"), config.pop("rope_scaling")
+            config[key] = value
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def zlab_drafter(folder, target, monkeypatch):
+    monkeypatch.setattr(zlab, "snapshot_download", lambda repo, **kwargs: repo)  # local dirs
+    return zlab.load_draft(str(folder)).bind(target.model)
+
+
+def block_logits_ours(draft, features, block):
+    cache = draft.make_cache()
+    draft.add_context(features, cache)
+    return np.array(draft(block, cache))
+
+
+def block_logits_theirs(draft, features, block):
+    return np.array(draft(block, features, draft.make_cache())[:, 1:])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_drafter_logits_match_zlab(model_type, variant, tmp_path, monkeypatch):
+    target = tiny_target(model_type, seed=7)
+    folder = write_drafter(target, tmp_path / "d", VARIANTS[variant])
+    ours = load_draft(folder, dtype=mx.float32).bind(target)
+    theirs = zlab_drafter(folder, target, monkeypatch)
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    features = target(prompt, target.make_cache(), ours.target_layer_ids)[1]
+    block = mx.array([[11] + [ours.mask_token_id] * 5])
+    a, b = block_logits_ours(ours, features, block), block_logits_theirs(theirs, features, block)
+    assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max())
+
+
+def test_the_fields_really_change_the_logits(tmp_path):
+    """So the parity above could fail: each variant computes something else than plain."""
+    target = tiny_target("qwen3", seed=7)
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    logits = {}
+    for name, variant in VARIANTS.items():
+        draft = load_draft(write_drafter(target, tmp_path / name, variant), dtype=mx.float32).bind(target)
+        features = target(prompt, target.make_cache(), draft.target_layer_ids)[1]
+        logits[name] = block_logits_ours(draft, features, mx.array([[11] + [draft.mask_token_id] * 5]))
+    for name in VARIANTS:
+        if name != "plain":
+            assert np.abs(logits[name] - logits["plain"]).max() > 1e-3, name
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_act", "gelu", "hidden_act"),
+    ("attn_logit_softcapping", 30.0, "attn_logit_softcapping"),
+    ("dflash_config", {"conv_kernel_size": 4}, "DFlash 2 field"),
+    ("dflash_config", {"mystery_knob": 1}, "unknown dflash_config field 'mystery_knob'"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor"),
+    ("rope_parameters", {"rope_type": "warp-drive", "rope_theta": 1e4}, "RoPE"),
+])
+def test_fields_we_do_not_implement_are_refused(field, value, message, tmp_path):
+    target = tiny_target("qwen3", seed=7)
+    folder = write_drafter(target, tmp_path / "d", {field: value})
+    with pytest.raises(DraftLoadError, match=message):
+        load_draft(folder)
