@@ -54,7 +54,7 @@ def main():
     widths = [int(w) for w in args.widths.split(",")]
     variants = [("whole vocabulary", None)] + [(f"top {k}", sorted(t for t, _ in counts.most_common(int(k))))
                                                 for k in args.sizes.split(",")]
-    print(f"| drafting vocabulary | held-out greedy tokens inside | "
+    print("| drafting vocabulary | held-out greedy tokens inside | "
           + " | ".join(f"width {w} (ms)" for w in widths) + " |")
     print("|---|---|" + "---|" * len(widths))
     for name, ids in variants:

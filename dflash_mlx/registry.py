@@ -7,7 +7,6 @@ the user's cache.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile

@@ -24,7 +24,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -445,7 +445,9 @@ def fit(
     if resume and (checkpoint / "state.json").is_file():
         saved = json.loads((checkpoint / "state.json").read_text())
         # the architecture and recipe are the checkpoint's; only the length can change
-        cfg = TrainConfig(**{**saved["config"], "epochs": cfg.epochs, "steps": cfg.steps})
+        known = {f.name for f in fields(TrainConfig)}  # a checkpoint of an older version may hold more
+        cfg = TrainConfig(**{**{k: v for k, v in saved["config"].items() if k in known},
+                             "epochs": cfg.epochs, "steps": cfg.steps})
         draft = load_draft(checkpoint / "drafter", dtype=mx.float32).bind(target)
         state = TrainState(**saved["state"])
         log(f"resuming at step {state.step} (epoch {state.epoch})")

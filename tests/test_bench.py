@@ -10,7 +10,6 @@ from dflash_mlx.bench import run_bench
 from dflash_mlx.cli import app
 from dflash_mlx.draft import DFlashDraftModel, save_draft
 from dflash_mlx.gguf import convert_gguf
-from dflash_mlx.target import Target
 from gguf_fixtures import write_gguf
 from tiny_models import draft_args
 

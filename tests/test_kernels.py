@@ -11,7 +11,7 @@ from mlx_lm.models.gated_delta import gated_delta_ops
 from dflash_mlx import kernels
 from msl_emulator import run_emulated
 from test_engine import dflash_greedy, plain_greedy
-from tiny_models import oracle_draft, random_draft, tiny_target
+from tiny_models import oracle_draft, tiny_target
 
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 1e-2, mx.bfloat16: 1e-2}
 on_mac = pytest.mark.skipif(not mx.metal.is_available(),

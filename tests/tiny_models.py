@@ -1,7 +1,6 @@
 """Tiny random-weight targets and drafters for tests (fp32, built in memory)."""
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_map
 
 from dflash_mlx.draft import DFlashDraftModel, DraftArgs
