@@ -122,6 +122,37 @@ def generate(
     typer.echo(format_stats(last, pair))
 
 
+@app.command()
+@user_errors
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter HF repo or local dir."),
+    quant: Optional[int] = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name."),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Serve plain target decoding."),
+    no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8080, "--port"),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait; more get 429."),
+):
+    """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
+    try:
+        from .serve import make_app, run
+    except ImportError as e:
+        fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
+    if quant not in (None, 4, 8):
+        fail(f"--quant must be 4 or 8, got {quant}")
+    if max_queue < 1 or not 0 < port < 65536:
+        fail("--max-queue must be >= 1 and --port in 1..65535")
+    from .api import load
+
+    pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive)
+    name = model or "SmolLM2-135M-Instruct"
+    server = make_app(pair, tokenizer, name, max_queue)
+    typer.secho(f"serving {name} on http://{host}:{port}/v1 (drafter: "
+                f"{'on' if pair.draft is not None else 'off'}); Ctrl-C stops", err=True)
+    run(server, host, port)
+
+
 @train_app.command("make-data")
 @user_errors
 def make_data(

@@ -22,3 +22,20 @@ def smollm2(smollm2_dir):
     import mlx_lm
 
     return mlx_lm.load(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """A tiny llama model dir (tokenizer and chat template included) and a drafter for it."""
+    from dflash_mlx import load
+    from dflash_mlx.convert import convert_target
+    from dflash_mlx.draft import save_draft
+    from gguf_fixtures import write_gguf
+    from tiny_models import random_draft
+
+    root = tmp_path_factory.mktemp("tiny")
+    write_gguf(root / "m.gguf", "llama", "F32")
+    model_dir = convert_target(str(root / "m.gguf"), root / "model", show_progress=False)
+    model, _ = load(str(model_dir), use_draft=False)
+    save_draft(random_draft(model.target, layer_ids=(0, 1), block_size=4), root / "draft")
+    return model_dir, root / "draft"

@@ -1,0 +1,5 @@
+"""`dflash-mlx serve`: an OpenAI-compatible HTTP server over one DFlash engine."""
+
+from .app import Server, make_app, run
+
+__all__ = ["Server", "make_app", "run"]

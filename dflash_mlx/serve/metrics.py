@@ -1,0 +1,68 @@
+"""Prometheus text exposition of what the server did (no client library needed for
+a handful of counters)."""
+
+import threading
+from collections import Counter
+
+
+class Metrics:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._lock = threading.Lock()
+        self.requests = Counter()  # status -> count
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.cycles = 0
+        self.draft_cycles = 0
+        self.committed = Counter()  # tokens committed per cycle -> cycles
+        self.last_tps = 0.0
+        self.prefix_cache_hits = 0
+
+    def finished(self, last, cancelled: bool = False) -> None:
+        with self._lock:
+            self.requests["cancelled" if cancelled else "200"] += 1
+            self.prompt_tokens += last.prompt_tokens
+            self.generated_tokens += last.generation_tokens
+            self.cycles += len(last.widths)
+            self.draft_cycles += sum(w > 1 for w in last.widths)
+            for k, n in enumerate(last.acceptance_histogram, start=1):
+                self.committed[k] += n
+            self.last_tps = last.generation_tps
+
+    def rejected(self, status: int) -> None:
+        with self._lock:
+            self.requests[str(status)] += 1
+
+    def render(self, queue_depth: int) -> str:
+        with self._lock:
+            committed_total = sum(k * n for k, n in self.committed.items())
+            cycles = sum(self.committed.values())
+            lines = [
+                "# HELP dflash_requests_total Requests by outcome (HTTP status, or cancelled by the client).",
+                "# TYPE dflash_requests_total counter",
+                *(f'dflash_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())),
+                "# TYPE dflash_prompt_tokens_total counter", f"dflash_prompt_tokens_total {self.prompt_tokens}",
+                "# TYPE dflash_generated_tokens_total counter",
+                f"dflash_generated_tokens_total {self.generated_tokens}",
+                "# HELP dflash_tau Mean tokens committed per target pass, over all requests.",
+                "# TYPE dflash_tau gauge", f"dflash_tau {committed_total / cycles if cycles else 0:.4f}",
+                "# HELP dflash_cycles_total Decode cycles, and those that drafted (the rest decoded plainly).",
+                "# TYPE dflash_cycles_total counter", f'dflash_cycles_total{{kind="all"}} {self.cycles}',
+                f'dflash_cycles_total{{kind="draft"}} {self.draft_cycles}',
+                "# HELP dflash_committed_tokens Cycles by tokens committed (histogram, le = tokens).",
+                "# TYPE dflash_committed_tokens histogram",
+            ]
+            running = 0
+            for k in range(1, self.block_size + 1):
+                running += self.committed.get(k, 0)
+                lines.append(f'dflash_committed_tokens_bucket{{le="{k}"}} {running}')
+            lines += [
+                f'dflash_committed_tokens_bucket{{le="+Inf"}} {running}',
+                f"dflash_committed_tokens_sum {committed_total}", f"dflash_committed_tokens_count {cycles}",
+                "# TYPE dflash_generation_tokens_per_second gauge",
+                f"dflash_generation_tokens_per_second {self.last_tps:.3f}",
+                "# TYPE dflash_queue_depth gauge", f"dflash_queue_depth {queue_depth}",
+                "# TYPE dflash_prefix_cache_hits_total counter",
+                f"dflash_prefix_cache_hits_total {self.prefix_cache_hits}",
+            ]
+        return "\n".join(lines) + "\n"

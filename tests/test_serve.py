@@ -1,0 +1,172 @@
+"""`dflash-mlx serve` against the real `openai` client, on loopback, with a tiny model."""
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the dev extra installs the openai client")
+uvicorn = pytest.importorskip("uvicorn", reason="the dev extra installs uvicorn")
+
+from dflash_mlx import generate, load  # noqa: E402
+from dflash_mlx.api import format_prompt  # noqa: E402
+from dflash_mlx.serve import make_app  # noqa: E402
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs):
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
+    server = make_app(model, tokenizer, MODEL, max_queue=2)
+    port = free_port()
+    config = uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error")
+    http = uvicorn.Server(config)
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    for _ in range(100):
+        if http.started:
+            break
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    yield client, model, tokenizer, port, server
+    http.should_exit = True
+    thread.join(timeout=10)
+
+
+def raw(port: int, path: str, body: bytes | None = None, content_type="application/json"):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
+                                     headers={"Content-Type": content_type} if body is not None else {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_chat_equals_offline_generation(served):
+    client, model, tokenizer, _, _ = served
+    messages = [{"role": "user", "content": "hello world"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20)
+    offline = generate(model, tokenizer, format_prompt(tokenizer, "hello world"), max_tokens=20)
+    assert reply.choices[0].message.content == offline
+    usage = reply.usage
+    assert usage.completion_tokens == 20 and usage.total_tokens == usage.prompt_tokens + 20
+    dflash = usage.model_extra["dflash"]
+    assert dflash["tau"] >= 1 and sum(dflash["acceptance_histogram"]) == dflash["draft_cycles"] + dflash["plain_cycles"]
+
+
+def test_streamed_text_completion_with_usage(served):
+    client, model, tokenizer, _, _ = served
+    chunks = list(client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == generate(model, tokenizer, "the cat", max_tokens=16)
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_stop_seed_and_block_size(served):
+    client, model, tokenizer, _, _ = served
+    full = client.completions.create(model=MODEL, prompt="the cat", max_tokens=16).choices[0].text
+    stop = full[4:6]
+    cut = client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, stop=stop)
+    assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    sampled = [client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, temperature=0.9, seed=4,
+                                         extra_body={"block_size": width}).choices[0].text for width in (1, 2, 4)]
+    assert len(set(sampled)) == 1  # seeded output does not depend on the width
+
+
+def test_models_health_metrics(served):
+    client, _, _, port, _ = served
+    models = client.models.list()
+    assert models.data[0].id == MODEL and models.data[0].model_extra["dflash"]["batching"] is False
+    assert raw(port, "/health") == (200, '{"status":"ok"}')
+    status, text = raw(port, "/metrics")
+    assert status == 200 and "dflash_tau" in text and 'dflash_requests_total{status="200"}' in text
+
+
+@pytest.mark.parametrize("body, content_type, status, needle", [
+    (b"{not json", "application/json", 400, "not valid JSON"),
+    (b"[1, 2]", "application/json", 400, "JSON object"),
+    (b'{"messages": []}', "application/json", 400, "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}', "application/json", 400, "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}', "application/json", 400,
+     "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "application/json", 400,
+     "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}', "application/json", 404, "gpt-9"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "block_size": 99}', "application/json", 400, "block_size"),
+    (b'{"messages": [{"role": "user", "content": "hi"}]}', "text/plain", 415, "Content-Type"),
+])
+def test_bad_requests_are_4xx_and_the_server_keeps_serving(served, body, content_type, status, needle):
+    client, _, _, port, _ = served
+    got, text = raw(port, "/v1/chat/completions", body, content_type)
+    assert got == status and needle in json.loads(text)["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_an_oversized_body_is_refused_from_its_header(served):
+    client, _, _, port, _ = served
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000000\r\n\r\n{")
+        reply = s.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413") and "larger than 8 MB" in reply
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_prompt_longer_than_the_context(served):
+    _, _, _, port, _ = served
+    body = json.dumps({"prompt": [5] * 4000, "max_tokens": 200}).encode()
+    status, text = raw(port, "/v1/completions", body)
+    assert status == 400 and "context" in json.loads(text)["error"]["message"]
+
+
+def test_concurrent_clients_and_disconnects(served):
+    """4 clients x 5 requests, mixed stream / non-stream, some streams dropped early:
+    every finished greedy response equals its offline result; a full queue says 429."""
+    client, model, tokenizer, port, server = served
+    expected = {p: generate(model, tokenizer, p, max_tokens=12) for p in ("one", "two", "three")}
+    failures, statuses = [], []
+
+    def user(seed: int):
+        local = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=5)
+        for i in range(5):
+            prompt = ("one", "two", "three")[(seed + i) % 3]
+            try:
+                if (seed + i) % 2:
+                    stream = local.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True)
+                    if (seed + i) % 5 == 0:
+                        next(iter(stream))
+                        stream.close()  # disconnect mid-stream
+                        continue
+                    text = "".join(c.choices[0].text for c in stream if c.choices)
+                else:
+                    text = local.completions.create(model=MODEL, prompt=prompt, max_tokens=12).choices[0].text
+                if text != expected[prompt]:
+                    failures.append((prompt, text))
+            except openai.RateLimitError:
+                statuses.append(429)
+
+    threads = [threading.Thread(target=user, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failures
+    for _ in range(100):
+        if server.worker.depth == 0:
+            break
+        time.sleep(0.1)
+    assert server.worker.depth == 0
+    assert client.completions.create(model=MODEL, prompt="one", max_tokens=12).choices[0].text == expected["one"]
