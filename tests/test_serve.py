@@ -170,3 +170,35 @@ def test_concurrent_clients_and_disconnects(served):
         time.sleep(0.1)
     assert server.worker.depth == 0
     assert client.completions.create(model=MODEL, prompt="one", max_tokens=12).choices[0].text == expected["one"]
+
+
+class QwenStyleTokenizer:
+    """The three things ToolCalls reads from mlx-lm's TokenizerWrapper, as it sets them up
+    for a Qwen3 chat template (json_tools)."""
+
+    has_tool_calling = True
+    tool_call_start, tool_call_end = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        from mlx_lm.tool_parsers.json_tools import parse_tool_call
+
+        self.tool_parser = parse_tool_call
+
+
+def test_tool_calls_are_parsed_out_of_streamed_text():
+    from dflash_mlx.serve.tools import ToolCalls
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    text = 'Let me check.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for cut in range(1, len(text)):  # however the text arrives in pieces
+        calls = ToolCalls(QwenStyleTokenizer(), tools)
+        shown = calls.push(text[:cut]) + calls.push(text[cut:])
+        rest, parsed = calls.finish()
+        assert shown + rest == "Let me check."
+        assert [c["function"]["name"] for c in parsed] == ["weather"]
+        assert json.loads(parsed[0]["function"]["arguments"]) == {"city": "Paris"}
+    plain = ToolCalls(QwenStyleTokenizer(), None)  # no tools asked for: text passes through
+    assert plain.push(text) == text and plain.finish() == ("", [])
+    broken = ToolCalls(QwenStyleTokenizer(), tools)
+    broken.push("<tool_call>not json</tool_call>")
+    assert broken.finish() == ("<tool_call>not json</tool_call>", [])

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from .metrics import Metrics
+from .tools import ToolCalls
 from .worker import DONE, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
@@ -98,7 +99,7 @@ class Server:
     async def _complete(self, request: Request, chat: bool):
         try:
             body = await self._body(request)
-            job, stream, include_usage = self._job(body, chat)
+            job, stream, include_usage, tools = self._job(body, chat)
             self.worker.submit(job)
         except RequestError as e:
             self.metrics.rejected(e.status)
@@ -113,9 +114,11 @@ class Server:
             self.metrics.rejected(status)
             return error_response(str(first), status)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        calls = ToolCalls(self.tokenizer, tools if chat else None)
         if stream:
-            return StreamingResponse(self._sse(job, first, ident, chat, include_usage), media_type="text/event-stream")
-        return await self._whole(job, first, ident, chat)
+            return StreamingResponse(self._sse(job, first, ident, chat, include_usage, calls),
+                                     media_type="text/event-stream")
+        return await self._whole(job, first, ident, chat, calls)
 
     async def _body(self, request: Request) -> dict:
         if "application/json" not in request.headers.get("content-type", ""):
@@ -162,7 +165,7 @@ class Server:
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
             raise RequestError("stream_options must be an object", param="stream_options")
-        return Job(prompt, max_tokens, options), stream, bool(stream_options.get("include_usage"))
+        return Job(prompt, max_tokens, options), stream, bool(stream_options.get("include_usage")), body.get("tools")
 
     def _chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
@@ -211,11 +214,15 @@ class Server:
                        "generation_tps": round(last.generation_tps, 2)},
         }
 
-    def _choice(self, chat: bool, text: str, finish: Optional[str], delta: bool) -> dict:
+    def _choice(self, chat: bool, text: Optional[str], finish: Optional[str], delta: bool,
+                tool_calls: Optional[list] = None) -> dict:
         if not chat:
             return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        key = "delta" if delta else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)] if delta else tool_calls
+            finish = finish and "tool_calls"
+        return {"index": 0, "delta" if delta else "message": message, "finish_reason": finish}
 
     async def _events(self, job: Job, first):
         event = first
@@ -225,20 +232,22 @@ class Server:
             yield event
             event = await anyio.to_thread.run_sync(job.events.get)
 
-    async def _whole(self, job: Job, first, ident: str, chat: bool) -> JSONResponse:
+    async def _whole(self, job: Job, first, ident: str, chat: bool, calls: ToolCalls) -> JSONResponse:
         text, last = "", None
         try:
             async for last in self._events(job, first):
-                text += last.text
+                text += calls.push(last.text)
         except Exception as e:
             return error_response(f"generation failed: {e}", 500)
+        rest, tool_calls = calls.finish()
+        text += rest
+        choice = self._choice(chat, text or (None if tool_calls else ""), last.finish_reason, False, tool_calls)
         return JSONResponse({
             "id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_id, "choices": [self._choice(chat, text, last.finish_reason, False)],
-            "usage": self._usage(last),
+            "model": self.model_id, "choices": [choice], "usage": self._usage(last),
         })
 
-    async def _sse(self, job: Job, first, ident: str, chat: bool, include_usage: bool):
+    async def _sse(self, job: Job, first, ident: str, chat: bool, include_usage: bool, calls: ToolCalls):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
@@ -249,8 +258,12 @@ class Server:
         last = None
         try:
             async for last in self._events(job, first):
-                if last.text or last.finish_reason:
-                    yield chunk([self._choice(chat, last.text, last.finish_reason, True)])
+                text = calls.push(last.text)
+                if last.finish_reason:
+                    rest, tool_calls = calls.finish()
+                    yield chunk([self._choice(chat, text + rest, last.finish_reason, True, tool_calls)])
+                elif text:
+                    yield chunk([self._choice(chat, text, None, True)])
             if include_usage and last is not None:
                 yield chunk([], usage=self._usage(last))
             yield "data: [DONE]\n\n"

@@ -1,0 +1,64 @@
+"""Tool calls in generated text, parsed with the tool parser mlx-lm picks for the
+tokenizer (Qwen3 / Qwen3.5 `<tool_call>{json}</tool_call>` is mlx-lm's json_tools)."""
+
+import json
+import uuid
+from typing import Optional
+
+
+class ToolCalls:
+    """Splits streamed text into content and tool calls.
+
+    `push(text)` returns the text that is safe to show now: everything before a
+    tool-call start marker (and before any partial marker at the end);
+    `finish()` returns (remaining content, parsed tool calls)."""
+
+    def __init__(self, tokenizer, tools: Optional[list]):
+        self.enabled = bool(tools) and getattr(tokenizer, "has_tool_calling", False)
+        self.start = tokenizer.tool_call_start if self.enabled else None
+        self.end = tokenizer.tool_call_end if self.enabled else None
+        self.parse = tokenizer.tool_parser if self.enabled else None
+        self.tools = tools
+        self.text = ""
+        self.shown = 0
+
+    def push(self, text: str) -> str:
+        self.text += text
+        if not self.enabled:
+            self.shown = len(self.text)
+            return text
+        cut = self.text.find(self.start, self.shown)
+        if cut < 0:  # hold back a tail that could be the start of a marker
+            cut = len(self.text)
+            for k in range(min(len(self.start) - 1, len(self.text) - self.shown), 0, -1):
+                if self.start.startswith(self.text[-k:]):
+                    cut = len(self.text) - k
+                    break
+        out = self.text[self.shown : max(cut, self.shown)]
+        self.shown = max(cut, self.shown)
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest = self.text[self.shown :]
+        if not self.enabled:
+            return rest, []
+        content, calls = [], []
+        while True:
+            start = rest.find(self.start)
+            if start < 0:
+                content.append(rest)
+                break
+            content.append(rest[:start])
+            end = rest.find(self.end, start + len(self.start)) if self.end else -1
+            body = rest[start + len(self.start) : end if end >= 0 else len(rest)]
+            rest = rest[end + len(self.end) :] if end >= 0 else ""
+            try:
+                parsed = self.parse(body, self.tools)
+            except Exception:  # unparseable: keep it as text rather than lose it
+                content.append(self.start + body + (self.end or ""))
+                continue
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                              "function": {"name": call["name"],
+                                           "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
+        return "".join(content), calls
