@@ -14,6 +14,7 @@ from .adaptive import WidthChooser, cached_costs, measure_costs
 from .draft import load_draft
 from .progress import console
 from .engine import DecodeStats, DFlashModel, decode
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams, check_seed
 from .storage import cache_dir, fetch
 from .target import Target
@@ -37,6 +38,7 @@ class GenerationResponse:
     block_size: int
     widths: list[int]  # verify width of each cycle so far (1 = plain decoding)
     adaptive: bool = False  # the width was chosen per cycle
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
 
 
 def load(
@@ -199,6 +201,7 @@ def stream_generate(
     seed: Optional[int] = None,
     block_size: Optional[int] = None,
     stop: Union[str, Sequence[str]] = (),
+    prompt_cache: Optional[PromptCache] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per decode cycle; the last has a finish_reason.
 
@@ -257,9 +260,10 @@ def stream_generate(
             block_size=stats.block_size,
             widths=list(stats.widths),
             adaptive=model.chooser is not None and model.draft is not None and block_size is None,
+            cached_tokens=stats.cached_tokens,
         )
 
-    steps = decode(model, prompt, params, max_tokens, block_size, stats, seed)
+    steps = decode(model, prompt, params, max_tokens, block_size, stats, seed, prompt_cache)
     finish = None
     for step in steps:
         tokens = step.tokens

@@ -133,6 +133,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait; more get 429."),
+    prompt_cache_bytes: int = typer.Option(1 << 30, "--prompt-cache-bytes", help="Memory for reusable prompt prefixes (0: off)."),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
     try:
@@ -147,7 +148,9 @@ def serve(
 
     pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive)
     name = model or "SmolLM2-135M-Instruct"
-    server = make_app(pair, tokenizer, name, max_queue)
+    if prompt_cache_bytes < 0:
+        fail(f"--prompt-cache-bytes must be >= 0, got {prompt_cache_bytes}")
+    server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes)
     typer.secho(f"serving {name} on http://{host}:{port}/v1 (drafter: "
                 f"{'on' if pair.draft is not None else 'off'}); Ctrl-C stops", err=True)
     run(server, host, port)

@@ -185,6 +185,13 @@ class ContextKV:
             new_v[..., :length, :] = kept.values[..., live, :]
         self.keys, self.values, self._end = new_k, new_v, length
 
+    def trim(self, n: int) -> None:
+        """Forget the newest `n` entries (a context without a window only)."""
+        if self.window is not None:
+            raise ValueError("a windowed drafter context cannot be cut back")
+        self._end -= n
+        self.offset -= n
+
     def span(self) -> Optional[ContextSpan]:
         """The live entries (the last `window` with a window), read in place by attention."""
         if self.keys is None:

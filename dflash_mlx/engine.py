@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 
 from .adaptive import WidthChooser
 from .draft import DFlashDraftModel
+from .prompt_cache import PromptCache
 from .sampling import Noise, SamplingParams, accept, choose, new_seed
 from .target import Target, TargetCache
 
@@ -54,6 +55,7 @@ class DecodeStats:
     widths: list[int] = field(default_factory=list)  # verify width of each cycle (1 = plain)
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens restored from a prompt cache instead of prefilled
 
     @property
     def cycles(self) -> int:
@@ -118,6 +120,24 @@ def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: 
     return logits[0, -1]
 
 
+def prefill_cached(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context,
+                   prompt_cache: PromptCache, stats: DecodeStats) -> mx.array:
+    """Prefill through `prompt_cache`: restore the longest stored prefix, prefill up to the
+    last token, store that state, then prefill the last token (its logits are fresh)."""
+    tokens = prompt.tolist()
+    start = 0
+    hit = prompt_cache.fetch(tokens)
+    if hit is not None:
+        restored, restored_context, start = hit
+        tcache.layers[:], tcache.handlers[:] = restored.layers, restored.handlers
+        context.cache = restored_context
+    stats.cached_tokens = start
+    if len(tokens) - 1 > start:
+        prefill(model, prompt[start:-1], tcache, context)
+        prompt_cache.store(tokens[:-1], tcache, context.flush())
+    return prefill(model, prompt[-1:], tcache, context)
+
+
 def _arrays(tree) -> list[mx.array]:
     return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
 
@@ -160,11 +180,13 @@ def decode(
     block_size: Optional[int] = None,
     stats: Optional[DecodeStats] = None,
     seed: Optional[int] = None,
+    prompt_cache: Optional[PromptCache] = None,
 ) -> Iterator[Step]:
     """Yield committed tokens cycle by cycle until `max_tokens` are out (the
     caller stops earlier on EOS or stop strings by closing the generator).
     Sampling draws its noise per output position from `seed` (sampling.py), so
-    a seeded run gives the same tokens whatever widths the cycles use."""
+    a seeded run gives the same tokens whatever widths the cycles use.  With a
+    `prompt_cache`, the longest prefix it holds is restored instead of prefilled."""
     adaptive = model.draft is not None and block_size is None and model.chooser is not None
     width = 1 if model.draft is None else (block_size or model.draft.block_size)
     stats = stats if stats is not None else DecodeStats()
@@ -180,7 +202,11 @@ def decode(
         return None if position_noise is None else position_noise.at(position, 1)[0]
 
     tic = time.perf_counter()
-    token = choose(prefill(model, prompt, tcache, context), params, step_noise(0))
+    if prompt_cache is not None:
+        logits = prefill_cached(model, prompt, tcache, context, prompt_cache, stats)
+    else:
+        logits = prefill(model, prompt, tcache, context)
+    token = choose(logits, params, step_noise(0))
     token = mx.array(token.item())
     stats.prompt_seconds = time.perf_counter() - tic
     tic = time.perf_counter()

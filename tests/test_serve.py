@@ -120,7 +120,9 @@ def test_an_oversized_body_is_refused_from_its_header(served):
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100000000\r\n\r\n{")
-        reply = s.recv(65536).decode()
+        reply = ""
+        while "larger than" not in reply and (piece := s.recv(65536)):
+            reply += piece.decode()
     assert reply.startswith("HTTP/1.1 413") and "larger than 8 MB" in reply
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
 
@@ -202,3 +204,16 @@ def test_tool_calls_are_parsed_out_of_streamed_text():
     broken = ToolCalls(QwenStyleTokenizer(), tools)
     broken.push("<tool_call>not json</tool_call>")
     assert broken.finish() == ("<tool_call>not json</tool_call>", [])
+
+
+def test_a_follow_up_turn_reuses_the_prefix_and_stays_exact(served):
+    client, model, tokenizer, _, server = served
+    history = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hello there"}]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
+    follow = history + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "and again"}]
+    second = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=8)
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+    text = tokenizer.apply_chat_template(follow, tokenize=False, add_generation_prompt=True)
+    offline = generate(model, tokenizer, tokenizer.encode(text, add_special_tokens=False), max_tokens=8)
+    assert second.choices[0].message.content == offline

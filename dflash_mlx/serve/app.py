@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..prompt_cache import PromptCache
 from .metrics import Metrics
 from .tools import ToolCalls
 from .worker import DONE, Job, QueueFull, Worker
@@ -51,8 +52,10 @@ def _number(body: dict, name: str, default, kind=numbers.Real, low=None, high=No
 
 
 class Server:
-    def __init__(self, model, tokenizer, model_id: str, max_queue: int = 16, context: Optional[int] = None):
+    def __init__(self, model, tokenizer, model_id: str, max_queue: int = 16, context: Optional[int] = None,
+                 prompt_cache_bytes: int = 1 << 30):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
         self.worker = Worker(model, tokenizer, max_queue, on_finish=self.metrics.finished)
         self.context = context
@@ -78,7 +81,7 @@ class Server:
             "dflash": {"drafter": draft is not None, "block_size": draft.block_size if draft else 1,
                        "adaptive_width": self.model.chooser is not None,
                        "batching": False,  # one request at a time (FIFO); said here so nobody has to guess
-                       "prefix_cache": False},
+                       "prefix_cache": self.prompt_cache is not None},
         }]})
 
     async def health(self, request: Request) -> JSONResponse:
@@ -86,6 +89,8 @@ class Server:
         return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
 
     async def prometheus(self, request: Request) -> PlainTextResponse:
+        if self.prompt_cache is not None:
+            self.metrics.prefix_cache_hits = self.prompt_cache.hits
         return PlainTextResponse(self.metrics.render(self.worker.depth), media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------ completions
@@ -156,6 +161,7 @@ class Server:
             "seed": _number(body, "seed", None, numbers.Integral),
             "block_size": _number(body, "block_size", None, numbers.Integral, low=1),
             "stop": stop or (),
+            "prompt_cache": self.prompt_cache,
         }
         if options["top_p"] == 0:
             raise RequestError("top_p must be > 0", param="top_p")
@@ -207,7 +213,7 @@ class Server:
         return {
             "prompt_tokens": last.prompt_tokens, "completion_tokens": last.generation_tokens,
             "total_tokens": last.prompt_tokens + last.generation_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
             "dflash": {"tau": round(last.tau, 3), "acceptance_histogram": last.acceptance_histogram,
                        "draft_cycles": sum(w > 1 for w in last.widths),
                        "plain_cycles": sum(w == 1 for w in last.widths), "block_size": last.block_size,
@@ -274,10 +280,10 @@ class Server:
             job.cancelled.set()  # a client gone mid-stream frees the engine at its next cycle
 
 
-def make_app(model, tokenizer, model_id: str, max_queue: int = 16) -> Server:
+def make_app(model, tokenizer, model_id: str, max_queue: int = 16, prompt_cache_bytes: int = 1 << 30) -> Server:
     from ..api import _context_limit
 
-    return Server(model, tokenizer, model_id, max_queue, _context_limit(model.target))
+    return Server(model, tokenizer, model_id, max_queue, _context_limit(model.target), prompt_cache_bytes)
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8080) -> None:
