@@ -13,7 +13,6 @@ prefilled, so the first generated token comes from a fresh pass.
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
