@@ -348,3 +348,7 @@ def convert_target(
 
     result = run(source, out, q_bits, q_group_size, dtype, force, dry_run)
     typer.echo(result if dry_run else f"model in {result}")
+
+
+if __name__ == "__main__":
+    app()

@@ -217,3 +217,55 @@ def test_a_follow_up_turn_reuses_the_prefix_and_stays_exact(served):
     text = tokenizer.apply_chat_template(follow, tokenize=False, add_generation_prompt=True)
     offline = generate(model, tokenizer, tokenizer.encode(text, add_special_tokens=False), max_tokens=8)
     assert second.choices[0].message.content == offline
+
+
+def test_the_command_serves_and_stops_cleanly_on_ctrl_c(tiny_dirs):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    model_dir, draft_dir = tiny_dirs
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", str(model_dir), "--draft",
+                             str(draft_dir), "--port", str(port), "--no-adaptive"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for _ in range(600):
+            try:
+                if raw(port, "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        local = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        # the served id is the --model value; its folder name is accepted too
+        assert local.completions.create(model=model_dir.name, prompt="hi", max_tokens=3).choices[0].text is not None
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-800:]
+    assert "Traceback" not in err
+
+
+def test_the_default_pair_over_http(smollm2_dir):
+    model, tokenizer = load(adaptive=False)
+    server = make_app(model, tokenizer, "SmolLM2-135M-Instruct")
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.05)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        question = "What is the capital of France?"
+        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=12,
+                                               messages=[{"role": "user", "content": question}])
+        assert "Paris" in reply.choices[0].message.content
+        assert reply.choices[0].message.content == generate(model, tokenizer, format_prompt(tokenizer, question),
+                                                            max_tokens=12)
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)

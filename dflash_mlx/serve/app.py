@@ -12,6 +12,7 @@ import json
 import numbers
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Optional
 
 import anyio
@@ -143,7 +144,7 @@ class Server:
 
     def _job(self, body: dict, chat: bool) -> tuple[Job, bool, bool]:
         name = body.get("model")
-        if name is not None and name not in (self.model_id, "default"):
+        if name is not None and name not in (self.model_id, Path(self.model_id).name, "default"):
             raise RequestError(f"model {name!r} is not served here; this server serves {self.model_id!r}",
                                404, "model", "model_not_found")
         prompt = self._chat_prompt(body) if chat else self._text_prompt(body)
