@@ -115,6 +115,17 @@ def test_every_bad_cli_input_is_one_line_and_leaves_nothing(tiny_dirs, tmp_path)
     assert not left, sorted(map(str, left))[:5]
 
 
+def test_an_unwritable_cache_and_bad_stdin_are_one_line(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(blocked / "cache"))
+    line = one_error_line(runner.invoke(app, ["generate", "--prompt", "hi"]))
+    assert "cannot write the cache folder" in line and "DFLASH_MLX_CACHE" in line
+    monkeypatch.delenv("DFLASH_MLX_CACHE")
+    line = one_error_line(runner.invoke(app, ["generate", "--prompt", "-"], input=b"caf\xe9 \xff"))
+    assert "not valid UTF-8" in line
+
+
 def test_every_bad_api_argument_names_itself(tiny_pair):
     model, tokenizer = tiny_pair
     vocab = model.target.vocab_size

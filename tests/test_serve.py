@@ -269,3 +269,66 @@ def test_the_default_pair_over_http(smollm2_dir):
     finally:
         http.should_exit = True
         thread.join(timeout=10)
+
+
+class ToolTokenizer:
+    """The served tokenizer, seen as one whose chat template emits Qwen3 tool calls."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.has_tool_calling = True
+        self.tool_call_start, self.tool_call_end = "<tool_call>", "</tool_call>"
+        from mlx_lm.tool_parsers.json_tools import parse_tool_call
+
+        self.tool_parser = parse_tool_call
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_tool_calls_reach_the_response(served, monkeypatch):
+    """The HTTP wiring of tool calls, with the engine's text fixed to a Qwen3-style call."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from dflash_mlx.serve import worker
+
+    _, model, tokenizer, _, _ = served
+    pieces = ["Checking.", "<tool_", 'call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>']
+
+    def scripted(model, tokenizer, prompt, max_tokens, **options):
+        for i, text in enumerate(pieces):
+            yield SimpleNamespace(text=text, finish_reason="stop" if i == len(pieces) - 1 else None,
+                                  prompt_tokens=len(prompt), generation_tokens=i + 1, tau=1.0,
+                                  acceptance_histogram=[i + 1], widths=[1] * (i + 1), block_size=4,
+                                  generation_tps=1.0, cached_tokens=0)
+
+    monkeypatch.setattr(worker, "stream_generate", scripted)
+    app = make_app(model, ToolTokenizer(tokenizer), MODEL, prompt_cache_bytes=0).app
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools}
+    with TestClient(app) as http:
+        whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Checking."
+        call = whole["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        lines = http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Checking."
+        assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "weather"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and lines[-2] == "data: [DONE]"
+
+
+def test_a_full_queue_answers_429(served):
+    from starlette.testclient import TestClient
+
+    from dflash_mlx.serve.worker import Job
+
+    _, model, tokenizer, _, _ = served
+    server = make_app(model, tokenizer, MODEL, max_queue=1)
+    server.worker.stop()  # nothing consumes the queue now
+    server.worker.submit(Job([1, 2], 4, {}))
+    with TestClient(server.app) as http:
+        reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert reply.status_code == 429 and reply.json()["error"]["code"] == "queue_full"

@@ -35,6 +35,7 @@ class Worker:
         self.model, self.tokenizer = model, tokenizer
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
         self.busy = False
+        self._stopping = False
         self.on_finish = on_finish  # called with the last GenerationResponse of each finished job
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
         self._thread.start()
@@ -55,12 +56,17 @@ class Worker:
         return job
 
     def stop(self) -> None:
-        self.jobs.put(None)
+        """Finish the current cycle and end (waiting jobs are dropped); safe to call twice."""
+        self._stopping = True
+        try:
+            self.jobs.put_nowait(None)  # wakes an idle engine thread
+        except queue.Full:
+            pass
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():
+        while not self._stopping and (job := self.jobs.get()) is not None:
+            if job.cancelled.is_set() or self._stopping:
                 continue
             self.busy = True
             try:
@@ -74,7 +80,7 @@ class Worker:
             steps = stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, **job.options)
             for last in steps:
                 job.events.put(last)
-                if job.cancelled.is_set():
+                if job.cancelled.is_set() or self._stopping:
                     steps.close()
                     break
         except Exception as e:  # handed to the HTTP side, which answers 4xx/5xx
