@@ -216,7 +216,7 @@ def fit(
     from .data import read_data, target_fingerprint
     from .progress import console
     from .storage import writable
-    from .train import TrainConfig, fit as run
+    from .train import TrainConfig, checkpoint_config, fit as run
 
     try:
         ids = [int(i) for i in target_layer_ids.split(",")] if target_layer_ids else None
@@ -227,16 +227,19 @@ def fit(
     cfg = TrainConfig(block_size=block_size, num_layers=layers, num_target_layers=len(ids) if ids else target_layers,
                       target_layer_ids=ids, gamma=gamma, epochs=epochs, steps=steps, lr=lr,
                       sequences_per_step=sequences_per_step, text_fraction=text_fraction,
-                      block_positions=block_positions, head_size=head_size, eval_every=eval_every,
+                      text_window=text_window, block_positions=block_positions, head_size=head_size,
+                      eval_every=eval_every,
                       checkpoint_every=checkpoint_every,
                       init_from_target=not no_init_from_target, init_from=init_from, seed=seed)
     writable(Path(out))  # before the long work, not at its first checkpoint
     pair, tokenizer = load(model, use_draft=False)
     examples = read_data(data, target_fingerprint(pair.target, tokenizer))
     text = []
-    if text_fraction > 0:
+    resumed = None if fresh else checkpoint_config(out)  # a resumed run keeps its own recipe
+    if (resumed or {}).get("text_fraction", text_fraction) > 0:
         console.print("Cutting standard-library text into windows (no benchmark overlap)", style="dim")
-        text = text_windows(tokenizer, text_window, seed=seed, exclude=benchmark_shingles())
+        text = text_windows(tokenizer, (resumed or {}).get("text_window", text_window),
+                            seed=(resumed or {}).get("seed", seed), exclude=benchmark_shingles())
     run(pair.target, tokenizer, examples, out, cfg, text=text, resume=not fresh, log=console.print)
     typer.echo(f"drafter in {out}")
 

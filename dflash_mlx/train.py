@@ -65,6 +65,7 @@ class TrainConfig:
     steps: Optional[int] = None  # optimizer steps
     sequences_per_step: int = 8
     text_fraction: float = 0.0  # share of each step's sequences that are text windows
+    text_window: int = 256  # tokens per text window (corpus.text_windows)
     block_positions: int = 256  # per sequence and step: random anchors until their blocks fill this
     head_size: int = 8192  # output vocabulary of the loss: the most frequent token ids of the data
     lr: float = 1e-3
@@ -418,6 +419,12 @@ def grow(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
     return bigger.bind(draft._target)
 
 
+def checkpoint_config(out_dir) -> Optional[dict]:
+    """The training config a run in `out_dir` would resume with (None: no checkpoint)."""
+    state = Path(out_dir) / "checkpoint" / "state.json"
+    return json.loads(state.read_text())["config"] if state.is_file() else None
+
+
 def fit(
     target: Target,
     tokenizer,
@@ -437,8 +444,6 @@ def fit(
     checkpoint = out_dir / "checkpoint"
     if len(examples) <= cfg.eval_prompts:
         raise ValueError(f"need more than {cfg.eval_prompts} examples (the held-out set), got {len(examples)}")
-    if cfg.text_fraction > 0 and not text:
-        raise ValueError("text_fraction > 0 needs text windows")
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer)
 
@@ -462,6 +467,8 @@ def fit(
         draft = new_drafter(target, cfg, cfg.mask_token_id)
         state = TrainState()
     draft.train()
+    if cfg.text_fraction > 0 and not text:  # checked after a resume too: its recipe is the checkpoint's
+        raise ValueError("text_fraction > 0 needs text windows")
 
     held_out, train_set = split_held_out(examples, cfg.eval_prompts)
     layer_ids = draft.target_layer_ids
