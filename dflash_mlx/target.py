@@ -83,13 +83,17 @@ class Target:
     def head_rows(self, token_ids: mx.array):
         """The output head restricted to `token_ids`: hidden (.., D) -> logits (.., len(token_ids))."""
         head = self.lm_head.__self__ if hasattr(self.lm_head, "__self__") else self.lm_head  # tied: as_linear
+        # gathered now, not lazily: a lazy array is tied to this thread's stream, and the
+        # drafter may run in another thread (the server's engine thread)
         weight = head.weight[token_ids]
         if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             scales = head.scales[token_ids]
             biases = head["biases"][token_ids] if "biases" in head else None
+            mx.eval(weight, scales, biases)
             return lambda h: mx.quantized_matmul(h, weight, scales, biases, transpose=True,
                                                  group_size=head.group_size, bits=head.bits)
         bias = head.bias[token_ids] if "bias" in head else None
+        mx.eval(weight, bias)
         return lambda h: h @ weight.T + bias if bias is not None else h @ weight.T
 
     def make_cache(self) -> TargetCache:

@@ -148,7 +148,7 @@ def test_measure_costs_gives_a_rising_curve():
     assert cost.widths[0] == 1 and cost.widths[-1] == 16
     assert all(s > 0 for s in cost.seconds) and cost.draft_per_token >= 0
     assert cost.seconds == sorted(cost.seconds)
-    assert cost.cycle(2) > cost.verify(2) and cost.cycle(16) - cost.verify(16) >= cost.cycle(2) - cost.verify(2)
+    assert cost.cycle(2) > cost.verify(2) and cost.cycle(16) - cost.verify(16) >= (cost.cycle(2) - cost.verify(2)) * (1 - 1e-9)
     assert cost.filtered_row > 0 and cost.sample_row > 0
 
 

@@ -77,3 +77,22 @@ def test_the_subset_round_trips_and_bad_files_are_refused(target, tmp_path):
         (tmp_path / "d" / "draft_vocab.json").write_text(bad)
         with pytest.raises(DraftLoadError, match="draft_vocab.json|vocabulary"):
             load_draft(tmp_path / "d").bind(target)
+
+
+def test_a_restricted_drafter_drafts_in_another_thread(target):
+    """The server decodes in its engine thread: nothing bound in the main thread may stay lazy."""
+    import threading
+
+    draft = random_draft(target, block_size=4).restrict_vocab(SUBSET)
+    out, errors = [], []
+
+    def work():
+        try:
+            out.append(run(target, draft, PROMPTS[0]))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors and out[0] == plain_greedy(target, PROMPTS[0])
