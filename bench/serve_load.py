@@ -9,7 +9,6 @@ back near where it started.  Prints throughput, latency and errors.
 import argparse
 import random
 import resource
-import socket
 import sys
 import threading
 import time
@@ -21,10 +20,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import openai
-import uvicorn
 
 from dflash_mlx.api import format_prompt, generate, load
-from dflash_mlx.serve import make_app
+from dflash_mlx.serve import make_app, serve_in_background
 
 PROMPTS = ["Name three colours.", "What is 12 + 30?", "Say hello in French.", "Give me a word that rhymes with cat."]
 
@@ -40,13 +38,7 @@ def main():
     model, tokenizer = load(None)
     expected = {p: generate(model, tokenizer, format_prompt(tokenizer, p), max_tokens=args.max_tokens) for p in PROMPTS}
     server = make_app(model, tokenizer, "SmolLM2-135M-Instruct", max_queue=64)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error"))
-    threading.Thread(target=http.run, daemon=True).start()
-    while not http.started:
-        time.sleep(0.05)
+    http, port = serve_in_background(server)
     mx.clear_cache()
     active_before = mx.get_active_memory() / 1e6
     latencies, wrong, errors, dropped = [], [], [], [0]

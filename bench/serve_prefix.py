@@ -6,9 +6,7 @@ the default SmolLM2 pair, on loopback, streamed through the `openai` client.
 """
 
 import argparse
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from statistics import median
@@ -17,22 +15,10 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 import openai
-import uvicorn
 
 from dflash_mlx.api import load
 from dflash_mlx.benchmarks import load_prompts
-from dflash_mlx.serve import make_app
-
-
-def start(server) -> tuple[uvicorn.Server, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error"))
-    threading.Thread(target=http.run, daemon=True).start()
-    while not http.started:
-        time.sleep(0.05)
-    return http, port
+from dflash_mlx.serve import make_app, serve_in_background
 
 
 def ttft(client, messages) -> tuple[float, int]:
@@ -56,7 +42,7 @@ def main():
     questions = [q for q in load_prompts("mtbench", args.turns)]
     print(f"system prompt: {len(tokenizer.encode(system))} tokens; {args.turns} turns, each a new question")
     for label, cache_bytes in (("prefix reuse off", 0), ("prefix reuse on", 1 << 30)):
-        http, port = start(make_app(model, tokenizer, "SmolLM2-135M-Instruct", prompt_cache_bytes=cache_bytes))
+        http, port = serve_in_background(make_app(model, tokenizer, "SmolLM2-135M-Instruct", prompt_cache_bytes=cache_bytes))
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         times, cached = [], []
         for q in questions:

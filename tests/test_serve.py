@@ -13,7 +13,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="the dev extra installs uvicorn"
 
 from dflash_mlx import generate, load  # noqa: E402
 from dflash_mlx.api import format_prompt  # noqa: E402
-from dflash_mlx.serve import make_app  # noqa: E402
+from dflash_mlx.serve import make_app, serve_in_background  # noqa: E402
 
 MODEL = "tiny"
 
@@ -29,19 +29,10 @@ def served(tiny_dirs):
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
     server = make_app(model, tokenizer, MODEL, max_queue=2)
-    port = free_port()
-    config = uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error")
-    http = uvicorn.Server(config)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    for _ in range(100):
-        if http.started:
-            break
-        time.sleep(0.05)
+    http, port = serve_in_background(server)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     yield client, model, tokenizer, port, server
     http.should_exit = True
-    thread.join(timeout=10)
 
 
 def raw(port: int, path: str, body: bytes | None = None, content_type="application/json"):
@@ -252,12 +243,7 @@ def test_the_command_serves_and_stops_cleanly_on_ctrl_c(tiny_dirs):
 def test_the_default_pair_over_http(smollm2_dir):
     model, tokenizer = load(adaptive=False)
     server = make_app(model, tokenizer, "SmolLM2-135M-Instruct")
-    port = free_port()
-    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.05)
+    http, port = serve_in_background(server)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         question = "What is the capital of France?"
@@ -268,7 +254,6 @@ def test_the_default_pair_over_http(smollm2_dir):
                                                             max_tokens=12)
     finally:
         http.should_exit = True
-        thread.join(timeout=10)
 
 
 class ToolTokenizer:

@@ -293,4 +293,22 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080) -> None:
     uvicorn.run(server.app, host=host, port=port, log_level="warning")
 
 
-__all__: list[Any] = ["Server", "make_app", "run"]
+def serve_in_background(server: Server, host: str = "127.0.0.1"):
+    """Run `server` on a free port in a daemon thread (benchmarks, tests); returns
+    (uvicorn server, port) once it accepts connections.  Set .should_exit to stop it."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="error"))
+    threading.Thread(target=http.run, daemon=True).start()
+    while not http.started:
+        time.sleep(0.05)
+    return http, port
+
+
+__all__: list[Any] = ["Server", "make_app", "run", "serve_in_background"]
