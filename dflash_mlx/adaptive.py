@@ -166,12 +166,12 @@ class WidthChooser:
             self._plain_run, self._probe_interval = 0, self.probe_every
             return width
         self._plain_run += 1
-        if self._plain_run < self._probe_interval:
-            return 1
+        if self._plain_run < self._probe_interval or (limit is not None and limit < 2):
+            return 1  # not yet, or no room: a probe of 2 would commit past the last token
         # look again, the text may have become predictable; if it has not, wait longer next time
         self._plain_run = 0
         self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-        return max(2, min(self.max_width, limit or self.max_width, 4))
+        return min(self.max_width, limit or self.max_width, 4)
 
     def observe(self, width: int, accepted: int) -> None:
         self.acceptance.observe(width, accepted)

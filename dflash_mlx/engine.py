@@ -120,13 +120,14 @@ def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: 
     return logits[0, -1]
 
 
-def prefill_cached(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context,
-                   prompt_cache: PromptCache, stats: DecodeStats) -> mx.array:
-    """Prefill through `prompt_cache`: restore the longest stored prefix, prefill up to the
-    last token, store that state, then prefill the last token (its logits are fresh)."""
+def prefill_prompt(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context,
+                   prompt_cache: Optional[PromptCache], stats: DecodeStats) -> mx.array:
+    """Prefill all but the last prompt token, then the last one alone (as mlx-lm does), so
+    a prompt gives the same logits whether or not `prompt_cache` held its prefix: the
+    longest stored prefix is restored, and the state before the last token is stored."""
     tokens = prompt.tolist()
     start = 0
-    hit = prompt_cache.fetch(tokens)
+    hit = prompt_cache.fetch(tokens) if prompt_cache is not None else None
     if hit is not None:
         restored, restored_context, start = hit
         tcache.layers[:], tcache.handlers[:] = restored.layers, restored.handlers
@@ -134,7 +135,8 @@ def prefill_cached(model: DFlashModel, prompt: mx.array, tcache: TargetCache, co
     stats.cached_tokens = start
     if len(tokens) - 1 > start:
         prefill(model, prompt[start:-1], tcache, context)
-        prompt_cache.store(tokens[:-1], tcache, context.flush())
+        if prompt_cache is not None:
+            prompt_cache.store(tokens[:-1], tcache, context.flush())
     return prefill(model, prompt[-1:], tcache, context)
 
 
@@ -202,10 +204,7 @@ def decode(
         return None if position_noise is None else position_noise.at(position, 1)[0]
 
     tic = time.perf_counter()
-    if prompt_cache is not None:
-        logits = prefill_cached(model, prompt, tcache, context, prompt_cache, stats)
-    else:
-        logits = prefill(model, prompt, tcache, context)
+    logits = prefill_prompt(model, prompt, tcache, context, prompt_cache, stats)
     token = choose(logits, params, step_noise(0))
     token = mx.array(token.item())
     stats.prompt_seconds = time.perf_counter() - tic

@@ -72,8 +72,12 @@ def test_falls_back_to_plain_decoding_and_probes_now_and_then():
     assert [chooser.choose() for _ in range(16)].index(4) == 15
     # a moderately good drafter on the same machine gets a middle width
     assert 2 < chooser_with([0.7] * 16, cpu_like()).choose() < 16
-    # the number of tokens left caps the width
+    # the number of tokens left caps the width, probes included (the server load test
+    # once got 9 tokens for max_tokens 8 from a probe of 2 with one token left)
     assert chooser_with([0.99] * 16, cpu_like()).choose(limit=3) == 3
+    probing = chooser_with([0.05] * 16, cpu_like())
+    assert [probing.choose(limit=1) for _ in range(300)] == [1] * 300
+    assert max(probing.choose(limit=2) for _ in range(300)) == 2
 
 
 def test_measured_cycle_times_correct_the_cost_model():
