@@ -1,13 +1,14 @@
-"""GatedDeltaNet (Qwen3.5 linear attention) forward that records a replay tape.
+"""GatedDeltaNet (Qwen3.5 / Qwen3-Next linear attention) forward that records a replay tape.
 
 Speculative verification feeds the recurrent layer a whole block, but only a
 prefix of it is accepted.  The layer's state after that prefix is not among the
 outputs of mlx-lm's module, so the verify pass runs this mirror of
 ``mlx_lm.models.qwen3_5.GatedDeltaNet.__call__`` (same building blocks, same
-numerics) with the recurrence in ``kernels.gated_delta_tape``, which also
-returns each step's delta.  Rolling back is then the closed-form state after
-the accepted steps (one matmul from the pre-verify state), not a re-run of the
-recurrence.  ``tests/test_engine.py`` pins this function to mlx-lm's module.
+numerics; the mixer kinds differ only in their input projections) with the
+recurrence in ``kernels.gated_delta_tape``, which also returns each step's
+delta.  Rolling back is then the closed-form state after the accepted steps
+(one matmul from the pre-verify state), not a re-run of the recurrence.
+``tests/test_engine.py`` pins this function to mlx-lm's modules.
 """
 
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from .kernels import gated_delta_replay, gated_delta_tape
 
@@ -33,20 +35,37 @@ class Tape:
     def length(self) -> int:
         return self.k.shape[1]
 
-    def replay(self, state: Optional[mx.array], steps: int, kernel_size: int):
+    def replay(self, state: Optional[mx.array], steps: int):
         """(conv_state, recurrent_state) after the first `steps` tokens of the tape."""
-        conv_state = self.conv_input[:, steps : steps + kernel_size - 1]
+        window = self.conv_input.shape[1] - self.length  # kernel size - 1
+        conv_state = self.conv_input[:, steps : steps + window]
         return mx.contiguous(conv_state), gated_delta_replay(state, self.k, self.g, self.delta, steps)
 
 
-def gated_delta_forward(mixer, x: mx.array, mask, cache, record: bool) -> tuple[mx.array, Optional[Tape]]:
-    """Run `mixer` (a qwen3_5 GatedDeltaNet) on x, updating `cache`; return (out, tape),
-    the tape only when `record` (a verify pass: prefill chunks use mlx-lm's recurrence)."""
+def _project_qwen3_5(mixer, x):
     B, S, _ = x.shape
-    qkv = mixer.in_proj_qkv(x)
     z = mixer.in_proj_z(x).reshape(B, S, mixer.num_v_heads, mixer.head_v_dim)
-    b = mixer.in_proj_b(x)
-    a = mixer.in_proj_a(x)
+    return mixer.in_proj_qkv(x), z, mixer.in_proj_b(x), mixer.in_proj_a(x)
+
+
+def _project_qwen3_next(mixer, x):
+    B, S, _ = x.shape
+    q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(x), mixer.in_proj_ba(x))
+    return mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1), z, b, a
+
+
+# mixer class -> (x -> conv input qkv, gate z, beta logits b, decay logits a); the rest is shared
+MIXER_PROJECTIONS = {
+    qwen3_5.GatedDeltaNet: _project_qwen3_5,
+    qwen3_next.Qwen3NextGatedDeltaNet: _project_qwen3_next,
+}
+
+
+def gated_delta_forward(mixer, x: mx.array, mask, cache) -> tuple[mx.array, Tape]:
+    """Run `mixer` (a GatedDeltaNet of a kind in MIXER_PROJECTIONS) on x, updating
+    `cache`, with the recurrence that also returns the replay tape."""
+    B, S, _ = x.shape
+    qkv, z, b, a = MIXER_PROJECTIONS[type(mixer)](mixer, x)
 
     conv_state = cache[0]
     if conv_state is None:
@@ -66,18 +85,10 @@ def gated_delta_forward(mixer, x: mx.array, mask, cache, record: bool) -> tuple[
         )
     ]
     q, k = normalize_qk(q, k, inv_scale=mixer.head_k_dim**-0.5, eps=1e-6)
-    tape = None
-    if record:
-        g, beta = compute_g(mixer.A_log, a, mixer.dt_bias), mx.sigmoid(b)
-        if mask is not None:  # padded steps leave the state alone
-            g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
-        out, cache[1], delta = gated_delta_tape(q, k, v, g, beta, cache[1])
-        tape = Tape(conv_input, k, g, delta)
-    else:
-        out, cache[1] = gated_delta_update(
-            q, k, v, a, b, mixer.A_log, mixer.dt_bias, cache[1], mask,
-            use_kernel=not mixer.training,
-        )
+    g, beta = compute_g(mixer.A_log, a, mixer.dt_bias), mx.sigmoid(b)
+    if mask is not None:  # padded steps leave the state alone
+        g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
+    out, cache[1], delta = gated_delta_tape(q, k, v, g, beta, cache[1])
     cache.advance(S)
     out = mixer.out_proj(mixer.norm(out, z).reshape(B, S, -1))
-    return out, tape
+    return out, Tape(conv_input, k, g, delta)

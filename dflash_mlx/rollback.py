@@ -58,9 +58,8 @@ class RotatingKV:
 class GatedDeltaState:
     """GatedDeltaNet conv + recurrent state: restore, then replay the accepted steps."""
 
-    def __init__(self, cache: ArraysCache, kernel_size: int):
+    def __init__(self, cache: ArraysCache):
         self.cache = cache
-        self.kernel_size = kernel_size
         self.tape: Tape | None = None
         self._saved = (None, None)
         # Only a checkpointed (verify) pass records a tape: a prefill chunk's
@@ -78,19 +77,25 @@ class GatedDeltaState:
         if self.tape is None:
             raise RuntimeError("GatedDeltaNet rollback needs the tape of a checkpointed pass")
         if keep < self.tape.length:
-            self.cache[0], self.cache[1] = self.tape.replay(self._saved[1], keep, self.kernel_size)
+            self.cache[0], self.cache[1] = self.tape.replay(self._saved[1], keep)
         self.tape, self.recording = None, False
 
 
-def checkpointed(cache: Any, layer: Any):
-    """Wrap one mlx-lm layer cache in the rollback protocol that fits it."""
+class UnsupportedCache(TypeError):
+    pass
+
+
+def checkpointed(cache: Any):
+    """Wrap one mlx-lm layer cache in the rollback protocol that fits it.  An
+    ArraysCache is taken for a GatedDeltaNet state; the target checks that its
+    model has a recording mixer for each (target.py)."""
     if isinstance(cache, RotatingKVCache):
         return RotatingKV(cache)
-    if isinstance(cache, KVCache):
+    if type(cache) is KVCache:  # subclasses (quantized, chunked) store and trim differently
         return TrimmableKV(cache)
-    if isinstance(cache, ArraysCache) and hasattr(layer, "linear_attn"):
-        return GatedDeltaState(cache, layer.linear_attn.conv_kernel_size)
-    raise TypeError(
-        f"dflash-mlx cannot roll back a {type(cache).__name__} "
-        f"(layer {type(layer).__name__}); supported: KVCache, RotatingKVCache, GatedDeltaNet state"
+    if type(cache) is ArraysCache:
+        return GatedDeltaState(cache)
+    raise UnsupportedCache(
+        f"dflash-mlx cannot roll back a {type(cache).__name__} yet; "
+        "supported caches: KVCache, RotatingKVCache, GatedDeltaNet state"
     )

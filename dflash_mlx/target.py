@@ -1,26 +1,30 @@
-"""The target model: an mlx-lm model run layer by layer so that the outputs of
-chosen layers come back with the logits, and so that every layer cache can be
-rolled back after verification.
+"""The target model: an mlx-lm model run through its own forward, with the
+outputs of chosen layers captured on the way and every cache kept rollback-able.
 
-Nothing is patched: the loop below calls the model's own layer modules with the
-mask its cache asks for.  Only GatedDeltaNet layers go through
-`gated_delta_forward`, which mirrors mlx-lm's module and records a replay tape.
+Whatever a model does around its layers (embedding scales, per-layer inputs,
+shared-KV layers, attention sinks, logit soft-capping) runs as mlx-lm wrote it.
+Three kinds of stand-ins are installed in *this model instance* (never in a
+class), each calling the module it replaces:
+
+  LayerTap            every decoder layer in the model's own layer list: keeps its
+                      output when the current pass asks for that layer's features
+  RecordingGatedDelta every GatedDeltaNet mixer: during a verify pass, runs the
+                      mirror in gated_delta.py that records the replay tape
+  FinalNormTap        the final norm: for a prefill chunk, only the last
+                      position goes on to the output head
+
+What the target supports is therefore decided by its caches: a model loads if
+every cache its `make_cache` returns has a rollback handler (rollback.py).
 """
 
 from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import make_prompt_cache
 
-from .gated_delta import gated_delta_forward
-from .rollback import GatedDeltaState, checkpointed
-
-# Model types whose forward is exactly: embed -> layers(h, mask, cache) -> norm -> head.
-# Others (embedding scales, logit soft-caps, other recurrent layers) would be
-# silently wrong in the generic loop, so they are refused.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+from .gated_delta import MIXER_PROJECTIONS, gated_delta_forward
+from .rollback import GatedDeltaState, UnsupportedCache, checkpointed
 
 
 class TargetCache:
@@ -28,7 +32,7 @@ class TargetCache:
 
     def __init__(self, model: nn.Module):
         self.layers = make_prompt_cache(model)
-        self.handlers = [checkpointed(c, layer) for c, layer in zip(self.layers, model.layers)]
+        self.handlers = [checkpointed(c) for c in self.layers]
 
     @property
     def offset(self) -> int:
@@ -44,25 +48,109 @@ class TargetCache:
             h.rollback(keep)
 
 
+class _Pass:
+    """What the current forward pass wants recorded (shared by the stand-ins of one model)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self, wanted=(), last_only=False, handlers=()):
+        self.wanted = frozenset(wanted)
+        self.last_only = last_only
+        self.gated_delta = {id(h.cache): h for h in handlers if isinstance(h, GatedDeltaState)}
+        self.outputs = {}
+
+
+class _StandIn(nn.Module):
+    """A module standing in for `inner` (its child, so its parameters stay reachable
+    and quantizable); attributes it lacks are the inner module's."""
+
+    def __init__(self, inner: nn.Module, current: _Pass):
+        super().__init__()
+        self.inner = inner
+        self._pass = current  # a plain object: kept out of the parameter tree
+
+    def __getattr__(self, name):
+        if name in self:
+            return self[name]
+        inner = dict.get(self, "inner")  # absent while __init__ runs
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+class LayerTap(_StandIn):
+    def __init__(self, layer: nn.Module, index: int, current: _Pass):
+        super().__init__(layer, current)
+        self._index = index
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        if self._index in self._pass.wanted:
+            self._pass.outputs[self._index] = out[0] if isinstance(out, tuple) else out  # gemma4: (h, kv, offset)
+        return out
+
+
+class RecordingGatedDelta(_StandIn):
+    def __call__(self, x: mx.array, mask=None, cache=None):
+        handler = self._pass.gated_delta.get(id(cache))
+        if handler is None or not handler.recording:  # prefill, plain steps, other callers
+            return self.inner(x, mask, cache)
+        out, tape = gated_delta_forward(self.inner, x, mask, cache)
+        handler.record(tape)
+        return out
+
+
+class FinalNormTap(_StandIn):
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.inner(h[:, -1:] if self._pass.last_only else h)  # the norm is per position
+
+
+def _model_parts(model: nn.Module):
+    """(owner of the output head, inner model holding embed_tokens / layers / norm)."""
+    owner = getattr(model, "language_model", model)  # multimodal wrappers hold a text model
+    inner = getattr(owner, "model", None)
+    if not isinstance(inner, nn.Module) or not isinstance(inner.get("layers"), list) or "embed_tokens" not in inner:
+        raise ValueError(f"target {type(model).__module__}: no embed_tokens / layers list where mlx-lm "
+                         "models keep them (model.model or model.language_model.model); not supported")
+    return owner, inner
+
+
 class Target:
     """Wraps an mlx-lm model (never copies its weights)."""
 
-    def __init__(self, model: nn.Module, model_type: str | None = None):
-        model_type = model_type or getattr(model, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"target model type {model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+    def __init__(self, model: nn.Module):
         self.model = model
-        self.model_type = model_type
-        owner = getattr(model, "language_model", model)  # qwen3_5 wraps its text model
-        self._inner = owner.model
-        self.embed_tokens = self._inner.embed_tokens
+        self.model_type = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
+        owner, inner = _model_parts(model)
+        self._pass = _Pass()
+        self.layers = list(inner.layers)  # the real layers, before their taps go in
+        for i, layer in enumerate(self.layers):
+            if layer is None:  # a pipeline stage's layers live on other ranks
+                continue
+            mixer = layer.get("linear_attn")
+            if mixer is not None and type(mixer) in MIXER_PROJECTIONS:
+                layer.linear_attn = RecordingGatedDelta(mixer, self._pass)
+            inner.layers[i] = LayerTap(layer, i, self._pass)
+        self.norm = inner.get("norm")  # the final norm, where the model has one
+        if self.norm is not None:
+            inner.norm = FinalNormTap(self.norm, self._pass)
+        self.embed_tokens = inner.embed_tokens
         # what the model multiplies its embeddings by (z-lab's drafters multiply theirs alike)
-        self.embed_scale = getattr(self.embed_tokens, "embed_scale", getattr(self._inner, "embed_scale", 1.0))
+        self.embed_scale = getattr(self.embed_tokens, "embed_scale", getattr(inner, "embed_scale", 1.0))
         self.lm_head = owner.lm_head if "lm_head" in owner else self.embed_tokens.as_linear
-        self.layers = model.layers
+        self._check_caches()
+
+    def _check_caches(self):
+        try:
+            cache = self.make_cache()
+        except UnsupportedCache as e:
+            raise ValueError(f"target model type {self.model_type!r} is not supported: {e}") from None
+        recorded = sum(isinstance(layer.get("linear_attn"), RecordingGatedDelta) for layer in self.layers if layer)
+        states = sum(isinstance(h, GatedDeltaState) for h in cache.handlers)
+        if states != recorded:  # an ArraysCache of another recurrent kind (Mamba, ...)
+            raise ValueError(f"target model type {self.model_type!r} is not supported: {states - recorded} "
+                             "recurrent layer caches are not GatedDeltaNet states, which cannot be rolled back")
 
     @property
     def num_layers(self) -> int:
@@ -70,7 +158,7 @@ class Target:
 
     @property
     def hidden_size(self) -> int:
-        return self._inner.norm.weight.shape[0]
+        return self.norm.weight.shape[0] if self.norm is not None else self.model.args.hidden_size
 
     @property
     def vocab_size(self) -> int:
@@ -78,11 +166,19 @@ class Target:
 
     @property
     def dtype(self) -> mx.Dtype:
-        return self._inner.norm.weight.dtype
+        """The activation dtype (a norm's: never a quantized weight's storage type)."""
+        if self.norm is not None:
+            return self.norm.weight.dtype
+        return (self.embed_tokens.scales if "scales" in self.embed_tokens else self.embed_tokens.weight).dtype
+
+    @property
+    def head_module(self) -> nn.Module:
+        """The module holding the output head's weight (the embedding when tied)."""
+        return self.lm_head.__self__ if hasattr(self.lm_head, "__self__") else self.lm_head  # tied: as_linear
 
     def head_rows(self, token_ids: mx.array):
         """The output head restricted to `token_ids`: hidden (.., D) -> logits (.., len(token_ids))."""
-        head = self.lm_head.__self__ if hasattr(self.lm_head, "__self__") else self.lm_head  # tied: as_linear
+        head = self.head_module
         # gathered now, not lazily: a lazy array is tied to this thread's stream, and the
         # drafter may run in another thread (the server's engine thread)
         weight = head.weight[token_ids]
@@ -106,33 +202,19 @@ class Target:
         feature_layers: Sequence[int] = (),
         logits_for_last_only: bool = False,
     ) -> tuple[mx.array, mx.array | None]:
-        """Forward `tokens` (1, L) on top of `cache`.
+        """Forward `tokens` (1, L) on top of `cache` through the model's own forward.
 
         Returns logits (1, L, V) (or (1, 1, V) for the last position only) and
         the concatenated outputs of `feature_layers` (1, L, len * hidden), or
         None when none are asked for.
         """
-        h = self.embed_tokens(tokens)
-        captured = {}
-        wanted = set(feature_layers)
-        for i, (layer, c, handler) in enumerate(zip(self.layers, cache.layers, cache.handlers)):
-            if isinstance(handler, GatedDeltaState):
-                h = _gated_delta_layer(layer, h, create_ssm_mask(h, c), handler)
-            else:
-                h = layer(h, create_attention_mask(h, c), c)
-            if i in wanted:
-                captured[i] = h
-        if logits_for_last_only:
-            h = h[:, -1:]
-        logits = self.lm_head(self._inner.norm(h))
+        self._pass.reset(feature_layers, logits_for_last_only, cache.handlers)
+        try:
+            logits = self.model(tokens, cache=cache.layers)
+            captured = self._pass.outputs
+            if logits_for_last_only and self.norm is None:
+                logits = logits[:, -1:]
+        finally:
+            self._pass.reset()
         features = mx.concatenate([captured[i] for i in feature_layers], axis=-1) if feature_layers else None
         return logits, features
-
-
-def _gated_delta_layer(layer, h, mask, state: GatedDeltaState):
-    """qwen3_5 DecoderLayer.__call__ for a linear-attention layer, with the tape kept."""
-    r, tape = gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), mask, state.cache, state.recording)
-    if tape is not None:
-        state.record(tape)
-    h = h + r
-    return h + layer.mlp(layer.post_attention_layernorm(h))

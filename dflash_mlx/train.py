@@ -124,16 +124,14 @@ def choose_mask_token(tokenizer) -> int:
 
 def output_embeddings(target: Target) -> mx.array:
     """The target's lm_head weight (its embedding when tied); frozen."""
-    owner = getattr(target.model, "language_model", target.model)
-    head = owner.lm_head if "lm_head" in owner else target.embed_tokens
+    head = target.head_module
     if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         raise ValueError("train against a float (fp32/bf16) target, not a quantized one")
     return head.weight
 
 
 def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashDraftModel:
-    inner = target._inner
-    attn = inner.layers[0].self_attn
+    attn = target.layers[0].self_attn
     n_heads, n_kv = attn.n_heads, attn.n_kv_heads
     args = DraftArgs(
         hidden_size=target.hidden_size,
@@ -141,20 +139,20 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
         head_dim=target.hidden_size // n_heads,
-        intermediate_size=inner.layers[0].mlp.gate_proj.weight.shape[0],
+        intermediate_size=target.layers[0].mlp.gate_proj.weight.shape[0],
         vocab_size=target.vocab_size,
         target_layer_ids=cfg.target_layer_ids or stratified_layer_ids(target.num_layers, cfg.num_target_layers),
         mask_token_id=mask_token_id,
         block_size=cfg.block_size,
         num_target_layers=target.num_layers,
-        rms_norm_eps=inner.norm.eps,
+        rms_norm_eps=target.norm.eps,
         rope_theta=getattr(attn.rope, "base", 10000.0),
         max_position_embeddings=getattr(getattr(target.model, "args", None), "max_position_embeddings", 8192),
     )
     draft = DFlashDraftModel(args)
     if cfg.init_from_target:
         # deepest target layers: they already map hidden states towards the output space
-        for layer, source in zip(draft.layers, inner.layers[-cfg.num_layers:]):
+        for layer, source in zip(draft.layers, target.layers[-cfg.num_layers:]):
             weights = {k: v for k, v in tree_flatten(source.parameters())
                        if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
                        or k.endswith("layernorm.weight")}

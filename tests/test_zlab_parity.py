@@ -7,9 +7,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.draft import DraftLoadError, load_draft, save_draft
-from tiny_models import random_draft, tiny_target
+from tiny_models import random_draft, tiny_model, tiny_target
 
 zlab = pytest.importorskip("dflash.model_mlx", reason="z-lab's dflash package is installed by scripts/setup.sh")
 
@@ -100,3 +101,19 @@ def test_fields_we_do_not_implement_are_refused(field, value, message, tmp_path)
     folder = write_drafter(target, tmp_path / "d", {field: value})
     with pytest.raises(DraftLoadError, match=message):
         load_draft(folder)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss",
+                                        "gemma4_text", "gemma4", "deepseek_v3", "kimi_k25"])
+def test_target_features_match_zlab(model_type):
+    """The outputs of target_layer_ids, ours (through the model's own forward) against
+    z-lab's layer hooks on an untouched twin of the same model."""
+    layer_ids = [0, 1, 3]
+    target = tiny_target(model_type, seed=5)
+    twin = tiny_model(model_type, seed=5)
+    zlab._patch_model(twin, layer_ids)
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    logits, features = target(prompt, target.make_cache(), layer_ids)
+    expected_logits = twin(prompt, cache=make_prompt_cache(twin))
+    expected = mx.concatenate(twin._hidden_states, axis=-1)
+    assert mx.array_equal(features, expected) and mx.array_equal(logits, expected_logits)

@@ -27,41 +27,62 @@ def _common(model_type: str) -> dict:
     )
 
 
-def tiny_target(model_type: str, seed: int = 0, **overrides) -> Target:
-    """A random `model_type` target with peaky logits (so greedy ties are rare)."""
-    mx.random.seed(seed)
+GATED_DELTA = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                   linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+DEEPSEEK = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                first_k_dense_replace=1, n_group=1, topk_group=1)
+
+
+def _config(model_type: str) -> tuple[str, dict]:
+    """(mlx-lm module name, config) of a tiny `model_type` model."""
     config = _common(model_type)
-    if model_type == "llama":
-        from mlx_lm.models import llama as module
-    elif model_type == "qwen3":
-        from mlx_lm.models import qwen3 as module
-    elif model_type == "qwen3_moe":
-        from mlx_lm.models import qwen3_moe as module
-
-        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
-    elif model_type == "qwen2":
-        from mlx_lm.models import qwen2 as module
+    if model_type == "qwen3_moe":
+        config.update(MOE, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     elif model_type in ("qwen3_5", "qwen3_5_moe"):
-        from mlx_lm.models import qwen3_5, qwen3_5_moe
-
-        module = qwen3_5 if model_type == "qwen3_5" else qwen3_5_moe
         if model_type == "qwen3_5_moe":
-            config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                          shared_expert_intermediate_size=32)
-        config.update(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                      linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
-                      rope_parameters={"type": "default", "rope_theta": 10000.0,
-                                       "partial_rotary_factor": 0.5})
-    else:
+            config.update(MOE, shared_expert_intermediate_size=32)
+        config.update(GATED_DELTA, rope_parameters={"type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.5})
+    elif model_type == "qwen3_next":
+        config.update({**MOE, **GATED_DELTA}, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                      shared_expert_intermediate_size=32, partial_rotary_factor=0.5)
+    elif model_type == "gpt_oss":  # attention sinks, alternating sliding layers, MoE
+        config.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
+    elif model_type in ("gemma4_text", "gemma4"):
+        # sliding + full layers, a shared-KV layer, per-layer inputs, soft-capped logits
+        config.update(global_head_dim=16, num_kv_shared_layers=1, hidden_size_per_layer_input=8,
+                      vocab_size_per_layer_input=VOCAB, sliding_window=8, sliding_window_pattern=2)
+        if model_type == "gemma4":  # the multimodal wrapper around gemma4_text
+            config = dict(model_type="gemma4", vocab_size=VOCAB, text_config={**config, "model_type": "gemma4_text"})
+    elif model_type in ("deepseek_v3", "kimi_k25"):  # MLA attention, routed + shared experts
+        config.update(DEEPSEEK)
+        if model_type == "kimi_k25":
+            config = dict(model_type="kimi_k25", text_config={**config, "model_type": "deepseek_v3"})
+    elif model_type not in ("llama", "qwen2", "qwen3"):
         raise ValueError(model_type)
+    return model_type, config
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    """A random mlx-lm `model_type` model with peaky logits (so greedy ties are rare)."""
+    import importlib
+
+    mx.random.seed(seed)
+    name, config = _config(model_type)
+    module = importlib.import_module(f"mlx_lm.models.{name}")
     config.update(overrides)
     model = module.Model(module.ModelArgs.from_dict(config))
     # Larger weights than the default init make the random model's predictions
     # confident and varied, like a trained model's.
     model.update(tree_map(lambda p: p * 3.0 if p.ndim >= 2 else p, model.parameters()))
     mx.eval(model.parameters())
-    return Target(model)
+    return model
+
+
+def tiny_target(model_type: str, seed: int = 0, **overrides) -> Target:
+    return Target(tiny_model(model_type, seed, **overrides))
 
 
 def draft_args(target: Target, layer_ids=(0, 2), block_size=8, **overrides) -> DraftArgs:
