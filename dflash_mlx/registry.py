@@ -35,18 +35,29 @@ class Published:
     quantized: str  # mlx-community repo stem; "-4bit" / "-8bit" is appended
 
 
+def _pair(target: str, draft: str, quantized_stem: Optional[str] = None) -> Published:
+    return Published(target, draft, quantized_stem or f"mlx-community/{target.split('/')[1]}")
+
+
+# z-lab's published drafters (huggingface.co/z-lab) and the targets they were trained on
 PUBLISHED = {
-    "Qwen3.5-4B": Published("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", "mlx-community/Qwen3.5-4B"),
-    "Qwen3.5-9B": Published("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", "mlx-community/Qwen3.5-9B"),
-    "Qwen3.5-27B": Published("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", "mlx-community/Qwen3.5-27B"),
-    "Qwen3.5-35B-A3B": Published("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", "mlx-community/Qwen3.5-35B-A3B"),
-    "Qwen3-4B": Published("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", "mlx-community/Qwen3-4B"),
-    "Qwen3-8B": Published("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "mlx-community/Qwen3-8B"),
-    "Llama-3.1-8B-Instruct": Published(
-        "meta-llama/Llama-3.1-8B-Instruct",
-        "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
-        "mlx-community/Meta-Llama-3.1-8B-Instruct",
-    ),
+    "Qwen3-4B": _pair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16"),
+    "Qwen3-8B": _pair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
+    "Qwen3-Coder-30B-A3B": _pair("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),
+    "Qwen3-Coder-Next": _pair("Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash"),
+    "Qwen3.5-4B": _pair("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash"),
+    "Qwen3.5-9B": _pair("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash"),
+    "Qwen3.5-27B": _pair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash"),
+    "Qwen3.5-35B-A3B": _pair("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash"),
+    "Qwen3.6-27B": _pair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash"),
+    "Qwen3.6-35B-A3B": _pair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash"),
+    "Llama-3.1-8B-Instruct": _pair("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+                                   "mlx-community/Meta-Llama-3.1-8B-Instruct"),
+    "gpt-oss-20b": _pair("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash"),
+    "gpt-oss-120b": _pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash"),
+    "gemma-4-26B-A4B": _pair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash"),
+    "gemma-4-31B": _pair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash"),
+    "Kimi-K2.5": _pair("moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash"),
 }
 
 

@@ -12,6 +12,10 @@ def test_short_names_map_to_published_pairs():
     assert registry.resolve("Qwen3-8B", quant=8).target == "mlx-community/Qwen3-8B-8bit"
     assert registry.resolve("Llama-3.1-8B-Instruct").draft == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
     assert registry.resolve("Qwen3-4B", draft="/my/drafter").draft == "/my/drafter"
+    pair = registry.resolve("gpt-oss-20b", quant=4)
+    assert (pair.target, pair.draft) == ("mlx-community/gpt-oss-20b-4bit", "z-lab/gpt-oss-20b-DFlash")
+    assert registry.resolve("gemma-4-31B").draft == "z-lab/gemma-4-31B-it-DFlash"
+    assert registry.resolve("Kimi-K2.5").target == "moonshotai/Kimi-K2.5"
 
 
 def test_unknown_names_and_paths_are_explained():
