@@ -21,7 +21,9 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.qwen3 import MLP
 
+from .dflash2 import CandidateSelector, GroupedCausalConv
 from .kernels import ContextSpan, block_attention
+from .sampling import SamplingParams, choose
 
 
 class DraftLoadError(ValueError):
@@ -52,6 +54,15 @@ class DraftArgs:
     input_embedding_scale: float = 1.0  # times the target's own embedding scale (Gemma)
     output_multiplier: float = 1.0  # on the drafter's logits, before soft-capping
     final_logit_softcapping: Optional[float] = None
+    architecture: str = "DFlashDraftModel"  # or "DFlash2DraftModel": the fields below are then > 0
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @property
+    def dflash2(self) -> bool:
+        return self.architecture == "DFlash2DraftModel"
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
@@ -67,6 +78,20 @@ class DraftArgs:
             raise DraftLoadError("drafter config: sliding_attention layers need sliding_window")
         if self.block_size < 2:
             raise DraftLoadError(f"drafter config: block_size must be >= 2, got {self.block_size}")
+        if self.architecture not in ARCHITECTURES:
+            raise DraftLoadError(f"drafter architecture {self.architecture!r} is not supported "
+                                 f"({' or '.join(ARCHITECTURES)})")
+        values = {k: getattr(self, k) for k in DFLASH2_KEYS}
+        if self.dflash2 and not all(isinstance(v, int) and v > 0 for v in values.values()):
+            bad = next(k for k, v in values.items() if not (isinstance(v, int) and v > 0))
+            raise DraftLoadError(f"drafter config: a DFlash 2 drafter needs dflash_config.{bad} > 0, got {values[bad]!r}")
+        if not self.dflash2 and any(values.values()):
+            bad = next(k for k, v in values.items() if v)
+            raise DraftLoadError(f"drafter config: {bad} is a DFlash 2 field, but the architecture "
+                                 "says DFlashDraftModel; fix the config's architectures")
+        if self.dflash2 and self.hidden_size % self.conv_group_size:
+            raise DraftLoadError(f"drafter config: conv_group_size {self.conv_group_size} does not divide "
+                                 f"hidden_size {self.hidden_size}")
 
     @classmethod
     def from_config(cls, config: dict) -> "DraftArgs":
@@ -77,10 +102,6 @@ class DraftArgs:
         if unknown:
             raise DraftLoadError(f"drafter config: unknown dflash_config field {unknown[0]!r}; "
                                  "this drafter needs a newer dflash-mlx")
-        dflash2 = [k for k in DFLASH2_KEYS if dflash.get(k)]
-        if dflash2:
-            raise DraftLoadError(f"drafter config: {dflash2[0]} is a DFlash 2 field, but the architecture "
-                                 "says DFlashDraftModel; fix the config's architectures")
         for key, allowed in UNSUPPORTED_FIELDS.items():
             if key in config and config[key] not in allowed:
                 raise DraftLoadError(f"drafter config: {key}={config[key]!r} is not supported "
@@ -98,6 +119,9 @@ class DraftArgs:
         merged["input_embedding_scale"] = float(dflash.get("input_embedding_scale", 1.0))
         merged["output_multiplier"] = float(dflash.get("output_multiplier", 1.0))
         merged["final_logit_softcapping"] = dflash.get("final_logit_softcapping", config.get("final_logit_softcapping"))
+        merged["architecture"] = (config.get("architectures") or ["DFlashDraftModel"])[0]
+        for key in DFLASH2_KEYS:  # z-lab reads these from dflash_config only
+            merged[key] = dflash.get(key, 0)
         names = {f.name for f in fields(cls)}
         try:
             return cls(**{k: v for k, v in merged.items() if k in names})
@@ -107,7 +131,7 @@ class DraftArgs:
     def to_config(self) -> dict:
         """config.json in the z-lab schema (also read by SGLang / vLLM)."""
         config = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -138,10 +162,14 @@ class DraftArgs:
                   "output_multiplier": (self.output_multiplier, 1.0),
                   "final_logit_softcapping": (self.final_logit_softcapping, None)}
         config["dflash_config"].update({k: v for k, (v, default) in extras.items() if v != default})
+        if self.dflash2:
+            config["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_KEYS})
         return config
 
 
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")  # no ".weight" on disk
 DFLASH_CONFIG_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "final_logit_softcapping",
                       "input_embedding_scale", "output_multiplier", *DFLASH2_KEYS}
 # config fields that would change what the drafter computes: the values we implement
@@ -281,14 +309,33 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class DFlash2Layer(DraftLayer):
+    """Each sublayer wrapped in a grouped dynamic causal convolution along the block."""
+
+    def __init__(self, args: DraftArgs, layer_type: str):
+        super().__init__(args, layer_type)
+        self.attention_conv = GroupedCausalConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+        self.mlp_conv = GroupedCausalConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+
+    def __call__(self, x: mx.array, context) -> mx.array:
+        y, kernel = self.attention_conv.prepare(self.input_layernorm(x))
+        h = x + self.attention_conv.finish(self.self_attn(y, context), kernel)
+        y, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(y), kernel)
+
+
 class DFlashDraftModel(nn.Module):
     def __init__(self, args: DraftArgs):
         super().__init__()
         self.args = args
         self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DraftLayer(args, t) for t in args.layer_types]
+        layer_class = DFlash2Layer if args.dflash2 else DraftLayer
+        self.layers = [layer_class(args, t) for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.dflash2:
+            self.candidate_selector = CandidateSelector(args.hidden_size, args.vocab_size, args.selector_rank,
+                                                        args.selector_top_k)
         self._target = None  # a plain object, so its weights are not our parameters
         self.quantization: Optional[dict] = None  # mlx-style entry when the linears are quantized
         self._vocab = DraftVocabulary(None)  # a plain object too: not a parameter
@@ -355,7 +402,22 @@ class DFlashDraftModel(nn.Module):
     def __call__(self, block: mx.array, cache: list[ContextKV]) -> mx.array:
         """Logits for the block's positions 1..L-1 given block = [last token, mask...],
         over its drafting vocabulary (vocab_ids, when restricted)."""
-        logits = self._vocab.head(self.run_layers(block, cache)[:, 1:])
+        return self.logits(self.run_layers(block, cache)[:, 1:])
+
+    def propose(self, block: mx.array, cache: list[ContextKV], params: SamplingParams,
+                noise: Optional[mx.array]) -> mx.array:
+        """The drafted tokens (L-1,) for block = [last token, mask...] (batch 1); `noise`
+        (L-1, full vocab) is the Gumbel noise of their output positions when sampling.
+        DFlash 1 samples each position from its logits, DFlash 2 walks its selector."""
+        ids = self.vocab_ids
+        if self.args.dflash2:
+            hidden = self.run_layers(block, cache)[:, 1:]
+            return self.candidate_selector.walk(hidden[0], self.logits(hidden)[0], block[0, 0], ids, params.temp, noise)
+        choice = choose(self(block, cache)[0], params, noise if noise is None or ids is None else noise[:, ids])
+        return choice if ids is None else ids[choice]
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        logits = self._vocab.head(hidden)
         if self.args.output_multiplier != 1.0:
             logits = logits * self.args.output_multiplier
         if self.args.final_logit_softcapping:
@@ -370,7 +432,7 @@ class DFlashDraftModel(nn.Module):
                 continue  # borrowed from the target
             if "rotary_emb" in name:
                 continue
-            out[name] = value
+            out[f"{name}.weight" if name in CODEBOOKS else name] = value
         return out
 
 
@@ -443,11 +505,10 @@ def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraf
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise DraftLoadError(f"{config_file} is not valid JSON ({e}); re-download the drafter") from None
-    architectures = config.get("architectures") or ["DFlashDraftModel"]
-    if architectures[0] != "DFlashDraftModel":
-        raise DraftLoadError(
-            f"{path}: drafter architecture {architectures[0]!r} is not supported (only DFlashDraftModel)"
-        )
+    architecture = (config.get("architectures") or ["DFlashDraftModel"])[0]
+    if architecture not in ARCHITECTURES:
+        raise DraftLoadError(f"{path}: drafter architecture {architecture!r} is not supported "
+                             f"({' or '.join(ARCHITECTURES)})")
     args = DraftArgs.from_config(config)
     model = DFlashDraftModel(args)
 
@@ -517,7 +578,8 @@ def save_draft(model: DFlashDraftModel, path: str | Path, quantization: Optional
         model.quantization = quantization
         config["quantization"] = config["quantization_config"] = quantization
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weights = dict(tree_flatten(model.parameters()))
+    weights = {name.removesuffix(".weight") if name.removesuffix(".weight") in CODEBOOKS else name: value
+               for name, value in tree_flatten(model.parameters())}
     # "pt" is what transformers / SGLang / vLLM expect in the safetensors header
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     if model.vocab_ids is not None:

@@ -150,11 +150,7 @@ def draft(model: DFlashModel, last: mx.array, context: Context, width: int, para
     noise of their output positions (`noise` covers the whole verify block)."""
     mask = mx.full((width - 1,), model.draft.mask_token_id, dtype=mx.int32)
     block = mx.concatenate([last.reshape(1).astype(mx.int32), mask])[None]
-    logits = model.draft(block, context.flush())[0]
-    ids = model.draft.vocab_ids
-    if ids is None:
-        return choose(logits, params, None if noise is None else noise[:-1])
-    return ids[choose(logits, params, None if noise is None else noise[:-1, ids])]
+    return model.draft.propose(block, context.flush(), params, None if noise is None else noise[:-1])
 
 
 def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, context: Context,

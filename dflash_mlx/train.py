@@ -456,6 +456,9 @@ def fit(
         log(f"resuming at step {state.step} (epoch {state.epoch})")
     elif cfg.init_from:
         draft = load_draft(cfg.init_from, dtype=mx.float32).bind(target)
+        if draft.args.dflash2:
+            raise ValueError(f"{cfg.init_from} is a DFlash 2 drafter: training DFlash 2 is not implemented yet "
+                             "(its block convolutions need per-block packing); start from a DFlash 1 drafter")
         draft = grow(draft, cfg.num_layers)
         cfg.block_size, cfg.num_layers = draft.block_size, len(draft.layers)
         cfg.target_layer_ids, cfg.mask_token_id = draft.target_layer_ids, draft.mask_token_id

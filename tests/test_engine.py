@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
-from tiny_models import oracle_draft, random_draft, tiny_model, tiny_target
+from tiny_models import oracle_draft, random_dflash2, random_draft, tiny_model, tiny_target
 
 MODEL_TYPES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
                "gpt_oss", "gemma4_text", "gemma4", "deepseek_v3", "kimi_k25"]
@@ -62,6 +62,13 @@ def test_random_drafter_is_lossless(target, block_size):
         out, stats = dflash_greedy(target, draft, prompt)
         assert out == plain_greedy(target, prompt)
         assert stats.histogram[0] < stats.cycles or stats.tau >= 1
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_dflash2_drafter_is_lossless(target, block_size):
+    draft = random_dflash2(target, block_size=block_size)
+    for prompt in PROMPTS:
+        assert dflash_greedy(target, draft, prompt)[0] == plain_greedy(target, prompt)
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 7, 16])

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import sampling
-from dflash_mlx.engine import DFlashModel, decode
+from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams, probabilities
-from tiny_models import random_draft, tiny_target
+from tiny_models import random_dflash2, random_draft, tiny_target
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 4]
@@ -39,11 +39,12 @@ def exact_joint(target, params):
     return joint
 
 
-def sample_joint(model, params, n, seed):
+def sample_joint(model, params, n, seed, stats=None):
     mx.random.seed(seed)
     counts = np.zeros((VOCAB,) * LENGTH)
     for _ in range(n):
-        tokens = [t for step in decode(model, mx.array(PROMPT), params, LENGTH) for t in step.tokens]
+        tokens = [t for step in decode(model, mx.array(PROMPT), params, LENGTH, block_size=3, stats=stats)
+                  for t in step.tokens]
         counts[tuple(tokens)] += 1
     return counts
 
@@ -77,6 +78,17 @@ def test_dflash_samples_follow_the_target_distribution(pair, params):
     joint = exact_joint(target, params)
     counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0)
     assert chi_square_p_value(counts, joint) > 1e-3
+
+
+def test_dflash2_samples_follow_the_target_distribution(pair):
+    """The selector samples among its top-k candidates; the target still decides."""
+    target, _ = pair
+    params = SamplingParams(temp=1.0)
+    stats = DecodeStats()
+    model = DFlashModel(target, random_dflash2(target, seed=9, block_size=3))
+    counts = sample_joint(model, params, n=2500, seed=2, stats=stats)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > 1e-3
+    assert stats.histogram[1] > 0  # some selector proposals were accepted
 
 
 def test_plain_decoding_samples_follow_the_target_distribution(pair):
@@ -124,7 +136,8 @@ def test_seeded_output_does_not_depend_on_the_widths(pair):
         reference = [t for step in decode(DFlashModel(target), mx.array(PROMPT), params, 40, seed=7)
                      for t in step.tokens]
         for model, width in [(DFlashModel(target, draft), 2), (DFlashModel(target, draft), 3),
-                             (DFlashModel(target, other_draft), 3)]:
+                             (DFlashModel(target, other_draft), 3),
+                             (DFlashModel(target, random_dflash2(target, seed=4, block_size=3)), 3)]:
             tokens = [t for step in decode(model, mx.array(PROMPT), params, 40, block_size=width, seed=7)
                       for t in step.tokens]
             assert tokens == reference

@@ -10,7 +10,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.draft import DraftLoadError, load_draft, save_draft
-from tiny_models import random_draft, tiny_model, tiny_target
+from dflash_mlx.sampling import SamplingParams
+from tiny_models import random_dflash2, random_draft, tiny_model, tiny_target
 
 zlab = pytest.importorskip("dflash.model_mlx", reason="z-lab's dflash package is installed by scripts/setup.sh")
 
@@ -117,3 +118,32 @@ def test_target_features_match_zlab(model_type):
     expected_logits = twin(prompt, cache=make_prompt_cache(twin))
     expected = mx.concatenate(twin._hidden_states, axis=-1)
     assert mx.array_equal(features, expected) and mx.array_equal(logits, expected_logits)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+def test_dflash2_drafts_match_zlab(model_type, layer_types, tmp_path, monkeypatch):
+    """A DFlash 2 drafter (convolutions + candidate selector) written by us and read by
+    z-lab's loader: same block logits, same greedy path through the candidates."""
+    target = tiny_target(model_type, seed=7)
+    extra = {"sliding_window": 8} if "sliding_attention" in layer_types else {}
+    save_draft(random_dflash2(target, seed=3, layer_ids=(0, 2), block_size=6, layer_types=layer_types, **extra),
+               tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 4
+    ours = load_draft(tmp_path / "d", dtype=mx.float32).bind(target)
+    theirs = zlab_drafter(tmp_path / "d", target, monkeypatch)
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    features = target(prompt, target.make_cache(), ours.target_layer_ids)[1]
+    overruled = 0
+    for anchor in (11, 40, 77, 63, 5):
+        block = mx.array([[anchor] + [ours.mask_token_id] * 5])
+        a, b = block_logits_ours(ours, features, block), block_logits_theirs(theirs, features, block)
+        assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max())
+        cache = ours.make_cache()
+        ours.add_context(features, cache)
+        path = ours.propose(block, cache, SamplingParams(), None)
+        expected, _, _ = theirs.propose(block, features, theirs.make_cache(), 0.0, logits_start=1)
+        assert path.tolist() == expected[0].tolist()
+        overruled += path.tolist() != np.argmax(a[0], axis=-1).tolist()
+    assert overruled  # the selector's edge term really chose, so this comparison could fail

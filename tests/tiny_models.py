@@ -105,6 +105,25 @@ def random_draft(target: Target, seed: int = 1, **kwargs) -> DFlashDraftModel:
     return model.bind(target)
 
 
+DFLASH2 = dict(architecture="DFlash2DraftModel", conv_kernel_size=3, conv_group_size=8, selector_rank=8,
+               selector_top_k=4)
+
+
+def random_dflash2(target: Target, seed: int = 1, **kwargs) -> DFlashDraftModel:
+    """A random DFlash 2 drafter whose convolutions and selector both matter: random base
+    kernels (zeros at init) and codebooks large enough that the edge term can overrule
+    the logits' order among the candidates."""
+    draft = random_draft(target, seed, **{**DFLASH2, **kwargs})
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = 0.3 * mx.random.normal(conv.base_kernel.shape)
+    selector = draft.candidate_selector
+    for codebook in (selector.predecessor_codebook, selector.successor_codebook):
+        codebook.weight = 3.0 * mx.random.normal(codebook.weight.shape)
+    mx.eval(draft.parameters())
+    return draft
+
+
 class OracleDraft(DFlashDraftModel):
     """Proposes the reference continuation (the target's own greedy tokens),
     except at positions listed in `wrong`, so tests choose which drafts fail."""
