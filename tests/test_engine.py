@@ -55,7 +55,7 @@ def test_forward_matches_mlx_lm(target):
     assert last.shape[1] == 1 and mx.allclose(last[:, 0], whole[:, -1], atol=1e-5)
 
 
-@pytest.mark.parametrize("block_size", [2, 3, 5, 8, 16])
+@pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_random_drafter_is_lossless(target, block_size):
     draft = random_draft(target, block_size=block_size)
     for prompt in PROMPTS:
@@ -64,14 +64,14 @@ def test_random_drafter_is_lossless(target, block_size):
         assert stats.histogram[0] < stats.cycles or stats.tau >= 1
 
 
-@pytest.mark.parametrize("block_size", [2, 5, 16])
+@pytest.mark.parametrize("block_size", [3, 16])
 def test_dflash2_drafter_is_lossless(target, block_size):
     draft = random_dflash2(target, block_size=block_size)
     for prompt in PROMPTS:
         assert dflash_greedy(target, draft, prompt)[0] == plain_greedy(target, prompt)
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 7, 16])
+@pytest.mark.parametrize("block_size", [2, 7, 16])
 def test_oracle_drafter_full_and_partial_acceptance(target, block_size):
     prompt = PROMPTS[0]
     reference = plain_greedy(target, prompt, MAX_TOKENS + 16)
