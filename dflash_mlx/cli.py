@@ -203,6 +203,7 @@ def fit(
     text_window: int = typer.Option(256, "--text-window", help="Tokens per text window."),
     block_positions: int = typer.Option(256, "--block-positions", help="Block positions per sequence and step (random anchors)."),
     head_size: int = typer.Option(8192, "--head-size", help="Token ids in the training loss's output vocabulary (most frequent)."),
+    distill: float = typer.Option(0.0, "--distill", help="Weight in [0, 1] of KL(target || drafter) in the loss (the rest: the hard greedy label)."),
     eval_every: int = typer.Option(0, "--eval-every", help="Steps between held-out tau checks (0: end only)."),
     checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Steps between checkpoints (a stopped run resumes from the last)."),
     no_init_from_target: bool = typer.Option(False, "--no-init-from-target"),
@@ -228,7 +229,7 @@ def fit(
                       target_layer_ids=ids, gamma=gamma, epochs=epochs, steps=steps, lr=lr,
                       sequences_per_step=sequences_per_step, text_fraction=text_fraction,
                       text_window=text_window, block_positions=block_positions, head_size=head_size,
-                      eval_every=eval_every,
+                      distill=distill, eval_every=eval_every,
                       checkpoint_every=checkpoint_every,
                       init_from_target=not no_init_from_target, init_from=init_from, seed=seed)
     writable(Path(out))  # before the long work, not at its first checkpoint

@@ -14,7 +14,9 @@ Each optimizer step:
               its own sequence before its anchor, never another block
     loss      cross-entropy at the labelled positions, weight exp(-(k-1)/gamma) at
               block position k, over the target's frozen output embeddings
-              restricted to the most frequent token ids of the data
+              restricted to the most frequent token ids of the data; optionally
+              mixed with the KL divergence from the target's own distribution at
+              that position (`distill`), which the target pass computes anyway
 
 The drafter's embedding and lm_head are the target's: frozen, not saved.
 """
@@ -68,6 +70,7 @@ class TrainConfig:
     text_window: int = 256  # tokens per text window (corpus.text_windows)
     block_positions: int = 256  # per sequence and step: random anchors until their blocks fill this
     head_size: int = 8192  # output vocabulary of the loss: the most frequent token ids of the data
+    distill: float = 0.0  # weight of KL(target || drafter) over the restricted vocabulary (1 - it: the hard label)
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 50
@@ -84,7 +87,7 @@ class TrainConfig:
             raise ValueError(f"block size must be >= 2, got {self.block_size}")
         if self.num_layers < 1 or self.num_target_layers < 1:
             raise ValueError("the drafter needs at least one layer and one target layer")
-        for name in ("lr", "gamma", "weight_decay", "grad_clip", "min_lr_ratio", "text_fraction"):
+        for name in ("lr", "gamma", "weight_decay", "grad_clip", "min_lr_ratio", "text_fraction", "distill"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0 or (value == 0 and name in ("lr", "gamma", "grad_clip")):
                 raise ValueError(f"{name} must be a finite number > 0 (>= 0 for decay and ratios), got {value}")
@@ -98,6 +101,8 @@ class TrainConfig:
             raise ValueError("eval every and warmup steps must be >= 0")
         if not 0 <= self.text_fraction < 1:
             raise ValueError(f"text fraction must be in [0, 1), got {self.text_fraction}")
+        if self.distill > 1:
+            raise ValueError(f"distill is a weight in [0, 1], got {self.distill}")
         if self.block_positions < self.block_size:
             raise ValueError(f"block positions per sequence ({self.block_positions}) must be >= the block size")
 
@@ -164,19 +169,24 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
 # ---------------------------------------------------------------- target pass and labels
 
 
-def target_pass(target: Target, seqs: list, layer_ids: list[int]) -> tuple[mx.array, np.ndarray]:
-    """The target over each of `seqs`: their features (S, L, n_layers * hidden) and the
-    target's greedy choice at every position (S, L), zero-padded to the longest.
+def target_pass(target: Target, seqs: list, layer_ids: list[int],
+                teacher_ids: Optional[mx.array] = None) -> tuple[mx.array, np.ndarray, Optional[mx.array]]:
+    """The target over each of `seqs`: their features (S, L, n_layers * hidden), the
+    target's greedy choice at every position (S, L), zero-padded to the longest, and
+    with `teacher_ids` its logits over those ids (S, L, len(teacher_ids)), else None.
     One sequence per pass: padding a batch cost more here than it saved (measured)."""
     length = max(len(s.tokens) for s in seqs)
-    features, greedy = [], np.zeros((len(seqs), length), dtype=np.int64)
+    features, teacher, greedy = [], [], np.zeros((len(seqs), length), dtype=np.int64)
     for row, s in zip(greedy, seqs):
         logits, f = target(mx.array(s.tokens, dtype=mx.int32)[None], target.make_cache(), layer_ids)
         choice = mx.argmax(logits[0], axis=-1)
-        mx.eval(f, choice)
+        pad = [(0, 0), (0, length - f.shape[1]), (0, 0)]
+        if teacher_ids is not None:
+            teacher.append(mx.pad(logits[:, :, teacher_ids].astype(mx.float32), pad))
+        mx.eval(f, choice, *teacher[-1:])
         row[: len(s.tokens)] = np.array(choice)
-        features.append(mx.pad(f, [(0, 0), (0, length - f.shape[1]), (0, 0)]))
-    return mx.concatenate(features, axis=0), greedy
+        features.append(mx.pad(f, pad))
+    return mx.concatenate(features, axis=0), greedy, mx.concatenate(teacher, axis=0) if teacher else None
 
 
 def label_counts(tokens: list[int], greedy: np.ndarray, block_size: int) -> np.ndarray:
@@ -212,6 +222,7 @@ class PackedBatch:
     labels: mx.array  # (M,) target token ids
     weights: mx.array  # (M,) loss weights
     block_offsets: np.ndarray = field(repr=False, default=None)  # (M,) k-1, for per-position metrics
+    teacher: Optional[mx.array] = None  # (M, V) the target's logits over the restricted head, for distill
 
     @property
     def groups(self) -> int:
@@ -258,15 +269,17 @@ def sample_blocks(seq, counts: np.ndarray, budget: int, rng: random.Random) -> l
 
 
 def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[tuple[int, int]]],
-         mask_token_id: int, gamma: float, vocab: Optional[set] = None) -> PackedBatch:
+         mask_token_id: int, gamma: float, vocab: Optional[set] = None,
+         teacher: Optional[mx.array] = None) -> PackedBatch:
     """Blocks [token at a, MASK x n] at positions a..a+n, labelled greedy[a+k-1]
-    at block position k (labels outside `vocab` are not predicted)."""
+    at block position k (labels outside `vocab` are not predicted); `teacher`
+    (S, L, V): the target's logits, gathered at the same positions as the labels."""
     S, L = len(seqs), features.shape[1]
     Q = max(sum(1 + n for _, n in b) for b in blocks)
     visible = np.zeros((S, 1, Q, L + Q), dtype=bool)
     block_tokens = np.full((S, Q), mask_token_id, dtype=np.int32)
     block_positions = np.zeros((S, Q), dtype=np.int32)
-    label_index, labels, weights, offsets = [], [], [], []
+    label_index, labels, weights, offsets, sources = [], [], [], [], []
     for s, (seq, seq_blocks) in enumerate(zip(seqs, blocks)):
         q = 0
         for a, n in seq_blocks:
@@ -282,6 +295,7 @@ def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[t
                     labels.append(label)
                     weights.append(math.exp(-(k - 1) / gamma))
                     offsets.append(k - 1)
+                    sources.append(s * L + a + k - 1)
             q += n + 1
         for pad in range(q, Q):  # padding sees only itself (a fully masked row would be NaN)
             visible[s, 0, pad, L + pad] = True
@@ -294,6 +308,7 @@ def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[t
         labels=mx.array(labels, dtype=mx.int32),
         weights=mx.array(weights, dtype=mx.float32),
         block_offsets=np.array(offsets),
+        teacher=None if teacher is None else teacher.reshape(S * L, -1)[mx.array(sources, dtype=mx.int32)],
     )
 
 
@@ -318,11 +333,15 @@ def block_logits(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHe
     return h[batch.label_index] @ head.weight.T
 
 
-def loss_fn(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead):
+def loss_fn(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead, distill: float = 0.0):
     logits = block_logits(draft, batch, head).astype(mx.float32)
     targets = head.lookup[batch.labels]
-    ce = nn.losses.cross_entropy(logits, targets, reduction="none")
-    loss = (ce * batch.weights).sum() / batch.weights.sum()
+    per_position = nn.losses.cross_entropy(logits, targets, reduction="none")
+    if distill > 0:
+        teacher = mx.softmax(batch.teacher, axis=-1)
+        kl = (teacher * (mx.log(teacher + 1e-30) - nn.log_softmax(logits, axis=-1))).sum(axis=-1)
+        per_position = (1 - distill) * per_position + distill * kl
+    loss = (per_position * batch.weights).sum() / batch.weights.sum()
     correct = (logits.argmax(axis=-1) == targets)
     return loss, correct
 
@@ -488,7 +507,8 @@ def fit(
     optimizer.init(draft.trainable_parameters())
     if resume and (checkpoint / "optimizer.safetensors").is_file() and state.step:
         optimizer.state = tree_unflatten(list(mx.load(str(checkpoint / "optimizer.safetensors")).items()))
-    value_and_grad = nn.value_and_grad(draft, lambda m, b: loss_fn(m, b, head))
+    value_and_grad = nn.value_and_grad(draft, lambda m, b: loss_fn(m, b, head, cfg.distill))
+    teacher_ids = mx.array(head.token_ids) if cfg.distill > 0 else None
 
     def train_step(batch):
         (loss, correct), grads = value_and_grad(draft, batch)
@@ -499,11 +519,11 @@ def fit(
     def batch_for(step: int) -> tuple[PackedBatch, int]:
         seqs = [train_set[i] for i in _pick(train_set, step, chat_per_step, cfg.seed)]
         seqs += [text[i] for i in _pick(text, step, text_per_step, cfg.seed + 1)]
-        features, greedy = target_pass(target, seqs, layer_ids)
+        features, greedy, teacher = target_pass(target, seqs, layer_ids, teacher_ids)
         rng = random.Random(cfg.seed * 1000003 + step)
         blocks = [sample_blocks(s, label_counts(s.tokens, g, cfg.block_size), cfg.block_positions, rng)
                   for s, g in zip(seqs, greedy)]
-        batch = pack(seqs, features, greedy, blocks, cfg.mask_token_id, cfg.gamma, head.vocab)
+        batch = pack(seqs, features, greedy, blocks, cfg.mask_token_id, cfg.gamma, head.vocab, teacher)
         return batch, sum(len(s.tokens) for s in seqs)
 
     with progress(show_progress) as bar:

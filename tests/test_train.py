@@ -4,6 +4,7 @@ the result round-trips through the z-lab format and decodes losslessly."""
 import json
 import math
 import random
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
@@ -17,12 +18,15 @@ from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.corpus import Window
 from dflash_mlx.train import (
     PackedContext,
+    RestrictedHead,
     TrainConfig,
     evaluate_tau,
     fit,
     grow,
     label_counts,
+    loss_fn,
     new_drafter,
+    output_embeddings,
     pack,
     position_acceptance,
     sample_blocks,
@@ -102,7 +106,7 @@ def test_packed_training_pass_equals_the_decode_pass():
     draft = new_drafter(target, TrainConfig(block_size=4, num_layers=2, num_target_layers=2), MASK)
     rng = random.Random(1)
     seqs = make_examples(rng, 3) + [Window("w", [rng.randrange(90) for _ in range(12)])]
-    features, greedy = target_pass(target, seqs, draft.target_layer_ids)
+    features, greedy, _ = target_pass(target, seqs, draft.target_layer_ids)
     blocks, batch = packed(rng, seqs, features, greedy, 4, 16)
     context = PackedContext(batch, draft.context(batch.features))
     out = draft.run_layers(batch.block_tokens, [context] * len(draft.layers))[0]
@@ -117,6 +121,26 @@ def test_packed_training_pass_equals_the_decode_pass():
             np.testing.assert_allclose(np.array(out[s * Q + q : s * Q + q + n + 1]), np.array(alone),
                                        rtol=1e-4, atol=1e-4)
             q += n + 1
+
+
+def test_distillation_targets_are_the_targets_distribution_at_each_label():
+    """The teacher row of every predicted block position is the target's logits at
+    the position whose greedy token is its label, and the loss mixes KL and CE."""
+    target = tiny_target("llama", seed=3)
+    draft = new_drafter(target, TrainConfig(block_size=4, num_layers=1, num_target_layers=2), MASK)
+    rng = random.Random(2)
+    seqs = make_examples(rng, 3) + [Window("w", [rng.randrange(90) for _ in range(12)])]
+    head = RestrictedHead(output_embeddings(target), Counter(range(60)), 60)
+    features, greedy, teacher = target_pass(target, seqs, draft.target_layer_ids, mx.array(head.token_ids))
+    blocks = [sample_blocks(s, label_counts(s.tokens, g, 4), 16, rng) for s, g in zip(seqs, greedy)]
+    batch = pack(seqs, features, greedy, blocks, MASK, 3.0, head.vocab, teacher)
+    assert batch.teacher.shape == (batch.labels.size, 60) and batch.labels.size > 0
+    assert np.array_equal(np.array(head.lookup[batch.labels]), np.array(batch.teacher.argmax(axis=-1)))
+    ce, _ = loss_fn(draft, batch, head, 0.0)
+    kl, _ = loss_fn(draft, batch, head, 1.0)
+    half, _ = loss_fn(draft, batch, head, 0.5)
+    assert kl.item() > 0 and abs(kl.item() - ce.item()) > 1e-3
+    assert half.item() == pytest.approx((ce.item() + kl.item()) / 2, rel=1e-5)
 
 
 def test_grown_drafter_computes_what_it_did():
