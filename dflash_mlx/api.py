@@ -48,20 +48,36 @@ def load(
     quant: Optional[int] = None,
     use_draft: bool = True,
     adaptive: bool = True,
+    distributed: Optional[str] = None,
+    split: Optional[Sequence[int]] = None,
+    timeout: float = 60.0,
 ) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a target by short name, HF repo or local path, with its drafter.
 
     `draft` overrides the drafter the registry pairs with `model`;
     `use_draft=False` loads the target alone (plain decoding, same loop);
     `adaptive` picks the verify width per cycle from this machine's measured
-    cost curve (measured once per model and machine, then cached).
+    cost curve (measured once per model and machine, then cached);
+    `distributed="pipeline"` (under mlx.launch) splits the target's layers over
+    the ranks (`split`: layers per rank, rank 0 first; collective waits bounded
+    by `timeout` seconds): rank 0 gets the drafter and drives, the other ranks
+    get a target whose `follow()` serves rank 0 until it calls `finish()`.
     """
     from . import registry  # pulls in the GGUF converter; not needed to decode
 
     resolved = registry.resolve(model, draft, quant)
     target_path = fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
-    mlx_model, tokenizer = _load_target(target_path)
-    target = Target(mlx_model)
+    group = _pipeline_group(distributed)
+    mlx_model, tokenizer = _load_target(target_path, lazy=group is not None)
+    if group is None:
+        target = Target(mlx_model)
+    else:
+        from .distributed.pipeline import PipelineTarget
+
+        target = PipelineTarget(mlx_model, group, split, timeout)
+        mx.eval(target.model.parameters())  # this rank's layers only
+        if not target.is_driver:
+            return DFlashModel(target, None, f"rank {target.rank} follows rank 0", None), tokenizer
 
     drafter, note = None, resolved.draft_note
     if not use_draft:
@@ -74,6 +90,8 @@ def load(
     chooser = None
     if drafter is not None and adaptive:
         key = f"{target_path.name}-{target.dtype}-{Path(resolved.draft).name}-{_fingerprint(draft_path)}"
+        if group is not None:  # the network is part of a pass's cost
+            key += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
         def measure():
             console.print("Measuring this machine's verify cost for the adaptive block size (once)", style="dim")
             return measure_costs(target, drafter)
@@ -93,7 +111,19 @@ def _fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:10]
 
 
-def _load_target(path: Path):
+def _pipeline_group(distributed: Optional[str]):
+    if distributed is None:
+        return None
+    if distributed != "pipeline":
+        raise ValueError(f"--distributed must be 'pipeline', got {distributed!r}")
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise ValueError("--distributed pipeline needs several ranks: start it with mlx.launch "
+                         "(e.g. mlx.launch --hosts mac1,mac2 -- dflash-mlx generate ... --distributed pipeline)")
+    return group
+
+
+def _load_target(path: Path, lazy: bool = False):
     """mlx-lm's loader, with what can be wrong with a model dir said in one line."""
     if not path.is_dir() or not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory: no config.json")
@@ -102,7 +132,7 @@ def _load_target(path: Path):
     if not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     try:
-        return mlx_lm.load(str(path))
+        return mlx_lm.load(str(path), lazy=lazy)
     except Exception as e:  # mlx-lm raises whatever its parsers raise on a broken dir
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot load the model in {path} ({type(e).__name__}: {reason}); "

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from . import _blas
+from .distributed import DistributedError
 from .draft import DraftLoadError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -16,7 +17,7 @@ app.add_typer(train_app, name="train")
 convert_app = typer.Typer(no_args_is_help=True, help="Convert and quantize drafters and targets for MLX.")
 app.add_typer(convert_app, name="convert")
 
-USER_ERRORS = (ValueError, TypeError, OSError, DraftLoadError, KeyError, UnicodeError)
+USER_ERRORS = (ValueError, TypeError, OSError, DraftLoadError, KeyError, UnicodeError, DistributedError)
 
 
 def fail(message: str) -> None:
@@ -85,9 +86,13 @@ def generate(
     no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks (default: pick the width per cycle)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print what was loaded and the formatted prompt."),
+    distributed: Optional[str] = typer.Option(None, "--distributed", help="'pipeline': split the target's layers over the ranks of mlx.launch."),
+    split: Optional[str] = typer.Option(None, "--split", help="With --distributed: layers per rank, rank 0 (the last layers) first, e.g. 10,20."),
+    timeout: float = typer.Option(60.0, "--timeout", help="With --distributed: seconds any rank waits for the others before giving up."),
 ):
     """Generate text with DFlash speculative decoding, streaming it as it is accepted."""
     from .api import format_prompt, format_stats, load, stream_generate
+    from .distributed.pipeline import parse_split
     from .sampling import SamplingParams
 
     prompt = read_prompt(prompt)
@@ -97,10 +102,18 @@ def generate(
         fail(f"--quant must be 4 or 8, got {quant}")
     if block_size is not None and block_size < 1:
         fail(f"--block-size must be >= 1, got {block_size}")
+    if (split is not None or timeout != 60.0) and distributed is None:
+        fail("--split and --timeout go with --distributed pipeline")
+    if not timeout > 0:
+        fail(f"--timeout must be > 0 seconds, got {timeout}")
     SamplingParams(temp, top_p, top_k)  # checked before the model loads
     # a fixed width needs no cost curve
     pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft,
-                           adaptive=not no_adaptive and block_size is None)
+                           adaptive=not no_adaptive and block_size is None, distributed=distributed,
+                           split=parse_split(split) if split else None, timeout=timeout)
+    if distributed is not None and not pair.target.is_driver:
+        pair.target.follow()  # rank 0 prints
+        return
     if pair.draft is None and not no_draft:
         typer.secho(f"note: {pair.draft_note}; running plain target decoding", err=True, fg=typer.colors.YELLOW)
     if verbose:
@@ -114,12 +127,25 @@ def generate(
     tokens = format_prompt(tokenizer, prompt, system, chat_template=not no_chat_template)
     if verbose:
         typer.echo(tokenizer.decode(tokens), err=True)
-    last = None
-    for last in stream_generate(pair, tokenizer, tokens, max_tokens, temp=temp, top_p=top_p,
-                                top_k=top_k, seed=seed, block_size=block_size, stop=stop):
-        typer.echo(last.text, nl=False)
+    last, ranks = None, None
+    try:
+        for last in stream_generate(pair, tokenizer, tokens, max_tokens, temp=temp, top_p=top_p,
+                                    top_k=top_k, seed=seed, block_size=block_size, stop=stop):
+            typer.echo(last.text, nl=False)
+    except DistributedError:
+        raise  # the other ranks are gone or stuck: nothing to release
+    except BaseException:
+        if distributed is not None:
+            pair.target.finish()  # release the following ranks before failing
+        raise
+    if distributed is not None:
+        ranks = pair.target.finish()
     typer.echo()
     typer.echo(format_stats(last, pair))
+    if ranks and verbose:
+        from .distributed.pipeline import describe_ranks
+
+        typer.echo(describe_ranks(ranks, last), err=True)
 
 
 @app.command()

@@ -61,7 +61,7 @@ class _Pass:
         self.outputs = {}
 
 
-class _StandIn(nn.Module):
+class StandIn(nn.Module):
     """A module standing in for `inner` (its child, so its parameters stay reachable
     and quantizable); attributes it lacks are the inner module's."""
 
@@ -79,7 +79,7 @@ class _StandIn(nn.Module):
         return getattr(inner, name)
 
 
-class LayerTap(_StandIn):
+class LayerTap(StandIn):
     def __init__(self, layer: nn.Module, index: int, current: _Pass):
         super().__init__(layer, current)
         self._index = index
@@ -91,7 +91,7 @@ class LayerTap(_StandIn):
         return out
 
 
-class RecordingGatedDelta(_StandIn):
+class RecordingGatedDelta(StandIn):
     def __call__(self, x: mx.array, mask=None, cache=None):
         handler = self._pass.gated_delta.get(id(cache))
         if handler is None or not handler.recording:  # prefill, plain steps, other callers
@@ -101,7 +101,7 @@ class RecordingGatedDelta(_StandIn):
         return out
 
 
-class FinalNormTap(_StandIn):
+class FinalNormTap(StandIn):
     def __call__(self, h: mx.array) -> mx.array:
         return self.inner(h[:, -1:] if self._pass.last_only else h)  # the norm is per position
 
@@ -216,5 +216,7 @@ class Target:
                 logits = logits[:, -1:]
         finally:
             self._pass.reset()
-        features = mx.concatenate([captured[i] for i in feature_layers], axis=-1) if feature_layers else None
-        return logits, features
+        return logits, self._features(captured, feature_layers, tokens.shape[1]) if feature_layers else None
+
+    def _features(self, captured: dict, feature_layers: Sequence[int], length: int) -> mx.array:
+        return mx.concatenate([captured[i] for i in feature_layers], axis=-1)
