@@ -50,6 +50,22 @@ def user_errors(command):
     return run
 
 
+DISTRIBUTED = typer.Option(None, "--distributed", help="'pipeline': split the target's layers over the ranks of mlx.launch.")
+SPLIT = typer.Option(None, "--split", help="With --distributed: layers per rank, rank 0 (the last layers) first, e.g. 10,20.")
+TIMEOUT = typer.Option(60.0, "--timeout", help="With --distributed: seconds a rank waits for the others before giving up.")
+
+
+def pipeline_options(distributed: Optional[str], split: Optional[str], timeout: float) -> dict:
+    """load()'s keyword arguments for --distributed / --split / --timeout, checked."""
+    from .distributed.pipeline import parse_split
+
+    if (split is not None or timeout != 60.0) and distributed is None:
+        fail("--split and --timeout go with --distributed pipeline")
+    if not timeout > 0:
+        fail(f"--timeout must be > 0 seconds, got {timeout}")
+    return {"distributed": distributed, "split": parse_split(split) if split else None, "timeout": timeout}
+
+
 def read_prompt(prompt: str) -> str:
     """--prompt text, or stdin for '-'; invalid UTF-8 is an error, not a traceback."""
     raw = sys.stdin.buffer.read() if prompt == "-" else prompt.encode("utf-8", "surrogateescape")
@@ -86,13 +102,12 @@ def generate(
     no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks (default: pick the width per cycle)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print what was loaded and the formatted prompt."),
-    distributed: Optional[str] = typer.Option(None, "--distributed", help="'pipeline': split the target's layers over the ranks of mlx.launch."),
-    split: Optional[str] = typer.Option(None, "--split", help="With --distributed: layers per rank, rank 0 (the last layers) first, e.g. 10,20."),
-    timeout: float = typer.Option(60.0, "--timeout", help="With --distributed: seconds any rank waits for the others before giving up."),
+    distributed: Optional[str] = DISTRIBUTED,
+    split: Optional[str] = SPLIT,
+    timeout: float = TIMEOUT,
 ):
     """Generate text with DFlash speculative decoding, streaming it as it is accepted."""
     from .api import format_prompt, format_stats, load, stream_generate
-    from .distributed.pipeline import parse_split
     from .sampling import SamplingParams
 
     prompt = read_prompt(prompt)
@@ -102,15 +117,11 @@ def generate(
         fail(f"--quant must be 4 or 8, got {quant}")
     if block_size is not None and block_size < 1:
         fail(f"--block-size must be >= 1, got {block_size}")
-    if (split is not None or timeout != 60.0) and distributed is None:
-        fail("--split and --timeout go with --distributed pipeline")
-    if not timeout > 0:
-        fail(f"--timeout must be > 0 seconds, got {timeout}")
+    pipeline = pipeline_options(distributed, split, timeout)
     SamplingParams(temp, top_p, top_k)  # checked before the model loads
     # a fixed width needs no cost curve
     pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft,
-                           adaptive=not no_adaptive and block_size is None, distributed=distributed,
-                           split=parse_split(split) if split else None, timeout=timeout)
+                           adaptive=not no_adaptive and block_size is None, **pipeline)
     if distributed is not None and not pair.target.is_driver:
         pair.target.follow()  # rank 0 prints
         return
@@ -160,6 +171,9 @@ def serve(
     port: int = typer.Option(8080, "--port"),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait; more get 429."),
     prompt_cache_bytes: int = typer.Option(1 << 30, "--prompt-cache-bytes", help="Memory for reusable prompt prefixes (0: off)."),
+    distributed: Optional[str] = DISTRIBUTED,
+    split: Optional[str] = SPLIT,
+    timeout: float = TIMEOUT,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
     try:
@@ -172,14 +186,33 @@ def serve(
         fail("--max-queue must be >= 1 and --port in 1..65535")
     from .api import load
 
-    pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive)
-    name = model or "SmolLM2-135M-Instruct"
     if prompt_cache_bytes < 0:
         fail(f"--prompt-cache-bytes must be >= 0, got {prompt_cache_bytes}")
+    pipeline = pipeline_options(distributed, split, timeout)
+    pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive, **pipeline)
+    if distributed is not None:
+        if not pair.target.is_driver:
+            try:
+                pair.target.follow(wait_forever=True)  # rank 0 serves; an idle server is not a lost rank
+            except KeyboardInterrupt:  # Ctrl-C reaches every rank of mlx.launch; rank 0 reports
+                pass
+            return
+        if prompt_cache_bytes:
+            typer.secho("note: prefix reuse is off with --distributed (the other ranks' caches are not "
+                        "snapshotted yet)", err=True, fg=typer.colors.YELLOW)
+            prompt_cache_bytes = 0
+    name = model or "SmolLM2-135M-Instruct"
     server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes)
     typer.secho(f"serving {name} on http://{host}:{port}/v1 (drafter: "
                 f"{'on' if pair.draft is not None else 'off'}); Ctrl-C stops", err=True)
-    run(server, host, port)
+    try:
+        run(server, host, port)
+    finally:
+        if distributed is not None:
+            try:
+                pair.target.finish()  # the other ranks end with the server
+            except DistributedError:
+                pass  # they stopped first (Ctrl-C reaches them too)
 
 
 @train_app.command("make-data")

@@ -3,6 +3,7 @@ token-for-token equal to one process, and a lost rank ends the run with one line
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -74,3 +75,41 @@ def test_smollm2_pair_over_two_ranks_matches_one_process():
     text = alone.stdout.split("==========")[0]
     assert piped.stdout.startswith(text) and len(text) > 40, (alone.stdout, piped.stdout)
     assert "rank 1:" in piped.stderr and "KiB sent per token" in piped.stderr, piped.stderr
+
+
+def test_serve_over_two_ranks_answers_as_one_process(tiny_dirs):
+    openai = pytest.importorskip("openai", reason="the dev extra installs the openai client")
+    from dflash_mlx import generate, load
+    from dflash_mlx.api import format_prompt
+
+    model_dir, draft_dir = tiny_dirs
+    port = free_ports(1)[0]
+    command = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", "--python", sys.executable, "--",
+               str(BIN / "dflash-mlx"), "serve", "--model", str(model_dir), "--draft", str(draft_dir),
+               "--no-adaptive", "--port", str(port), "--distributed", "pipeline", "--split", "1,1"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}, start_new_session=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        for _ in range(600):
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.1)
+        assert models.data[0].model_extra["dflash"]["pipeline_ranks"] == 2
+        model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
+        for prompt in ("hello world", "the quick brown fox"):
+            reply = client.chat.completions.create(model=models.data[0].id, max_tokens=20,
+                                                   messages=[{"role": "user", "content": prompt}])
+            offline = generate(model, tokenizer, format_prompt(tokenizer, prompt), max_tokens=20)
+            assert reply.choices[0].message.content == offline
+            assert reply.usage.model_extra["dflash"]["draft_cycles"] > 0
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            output, _ = server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            output, _ = server.communicate()
+    assert "/dflash_mlx/" not in output, output  # no traceback from our ranks (mlx.launch may print its own)

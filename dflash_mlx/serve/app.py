@@ -82,7 +82,8 @@ class Server:
             "dflash": {"drafter": draft is not None, "block_size": draft.block_size if draft else 1,
                        "adaptive_width": self.model.chooser is not None,
                        "batching": False,  # one request at a time (FIFO); said here so nobody has to guess
-                       "prefix_cache": self.prompt_cache is not None},
+                       "prefix_cache": self.prompt_cache is not None,
+                       "pipeline_ranks": getattr(self.model.target, "size", 1)},
         }]})
 
     async def health(self, request: Request) -> JSONResponse:
