@@ -251,6 +251,7 @@ def fit(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
     block_size: int = typer.Option(16, "--block-size"),
     layers: int = typer.Option(1, "--layers", help="Drafter layers."),
+    arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (block convolutions + candidate selector; from a DFlash 1 --init-from it grows into one)."),
     target_layers: int = typer.Option(5, "--target-layers", help="How many target layers feed the drafter."),
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated; default: stratified."),
     gamma: float = typer.Option(4.0, "--gamma", help="Loss weight decay along the block."),
@@ -284,7 +285,7 @@ def fit(
         fail(f"--target-layer-ids must be comma-separated integers, got {target_layer_ids!r}")
     if text_window < 2:
         fail(f"--text-window must be >= 2, got {text_window}")
-    cfg = TrainConfig(block_size=block_size, num_layers=layers, num_target_layers=len(ids) if ids else target_layers,
+    cfg = TrainConfig(block_size=block_size, num_layers=layers, architecture=arch, num_target_layers=len(ids) if ids else target_layers,
                       target_layer_ids=ids, gamma=gamma, epochs=epochs, steps=steps, lr=lr,
                       sequences_per_step=sequences_per_step, text_fraction=text_fraction,
                       text_window=text_window, block_positions=block_positions, head_size=head_size,

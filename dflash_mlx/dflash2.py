@@ -20,16 +20,21 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-def grouped_causal_conv(x: mx.array, dynamic: mx.array, base: mx.array, group_size: int) -> mx.array:
+def grouped_causal_conv(x: mx.array, dynamic: mx.array, base: mx.array, group_size: int,
+                        block_index: Optional[mx.array] = None) -> mx.array:
     """out[t] = sum_k (base[k] + dynamic[t, k]) * x[t - k] per channel group (zero before the block).
 
-    x (B, L, H); dynamic (B, L, K, H / group_size); base (K, H)."""
+    x (B, L, H); dynamic (B, L, K, H / group_size); base (K, H).  `block_index` (B, L):
+    each position's index inside its own block, when several blocks are packed along L
+    (training): x[t - k] then counts only if it lies in the same block."""
     B, L, H = x.shape
     groups = H // group_size
     blocks = x.reshape(B, L, groups, group_size)
     out = mx.zeros_like(blocks)
     for k in range(base.shape[0]):
         shifted = blocks if k == 0 else mx.pad(blocks[:, : max(L - k, 0)], [(0, 0), (min(k, L), 0), (0, 0), (0, 0)])
+        if k and block_index is not None:
+            shifted = shifted * (block_index >= k)[:, :, None, None].astype(x.dtype)
         out = out + base[k].reshape(groups, group_size).astype(x.dtype) * shifted
         out = out + dynamic[:, :, k, :, None] * shifted
     return out.reshape(B, L, H)
@@ -44,13 +49,22 @@ class GroupedCausalConv(nn.Module):
         self.base_kernel = mx.zeros((2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
 
-    def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
+    def prepare(self, x: mx.array, block_index: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
         """(x convolved with the first kernel, the second kernel's dynamic part for `finish`)."""
         dynamic = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.kernel_size, -1)
-        return grouped_causal_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size), dynamic[..., 1, :, :]
+        first = grouped_causal_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, block_index)
+        return first, dynamic[..., 1, :, :]
 
-    def finish(self, y: mx.array, dynamic: mx.array) -> mx.array:
-        return grouped_causal_conv(y, dynamic, self.base_kernel[1], self.group_size)
+    def finish(self, y: mx.array, dynamic: mx.array, block_index: Optional[mx.array] = None) -> mx.array:
+        return grouped_causal_conv(y, dynamic, self.base_kernel[1], self.group_size, block_index)
+
+    def make_identity(self):
+        """Pass-through (tap 0 = 1, no dynamic part): a new convolution that starts
+        by changing nothing, so a DFlash 1 drafter can grow into a DFlash 2 one."""
+        base = mx.zeros_like(self.base_kernel)
+        base[:, 0] = 1.0
+        self.base_kernel = base
+        self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
 
 
 class CandidateSelector(nn.Module):
@@ -61,6 +75,27 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(vocab_size, rank)
         self.successor_codebook = nn.Embedding(vocab_size, rank)
 
+    def score(self, predecessors: mx.array, hidden: mx.array, unary: mx.array, candidates: mx.array) -> mx.array:
+        """Scores (P, k) of `candidates` (P, k) after `predecessors` (P,): the drafter's
+        logit of each candidate plus the low-rank edge term."""
+        queries = self.hidden_projection(hidden)  # (P, rank)
+        edge = (self.predecessor_codebook(predecessors) * queries)[:, None] * self.successor_codebook(candidates)
+        return unary + edge.sum(-1)
+
+    def make_neutral(self, scale: float = 0.02):
+        """Edge term zero (scores = logits, DFlash 1's choice) but trainable: a zero
+        successor codebook gets gradients through the small random other two."""
+        self.hidden_projection.weight = scale * mx.random.normal(self.hidden_projection.weight.shape)
+        self.predecessor_codebook.weight = scale * mx.random.normal(self.predecessor_codebook.weight.shape)
+        self.successor_codebook.weight = mx.zeros_like(self.successor_codebook.weight)
+
+    def candidates(self, logits: mx.array, vocab_ids: Optional[mx.array]) -> tuple[mx.array, mx.array]:
+        """(token ids (P, k), their logits (P, k)): each position's top-k."""
+        k = min(self.top_k, logits.shape[-1])
+        picks = mx.stop_gradient(mx.argpartition(logits, -k, axis=-1)[:, -k:])  # a choice, not a function
+        unary = mx.take_along_axis(logits, picks, axis=-1)
+        return (picks if vocab_ids is None else vocab_ids[picks]), unary
+
     def walk(self, hidden: mx.array, logits: mx.array, anchor: mx.array, vocab_ids: Optional[mx.array],
              temp: float, noise: Optional[mx.array]) -> mx.array:
         """The drafted tokens (P,) for P block positions, starting after `anchor`.
@@ -70,17 +105,12 @@ class CandidateSelector(nn.Module):
         sampling takes the Gumbel-max sample of softmax(score / temp) over the k
         candidates with the position's noise (P, full vocab), an exact sample of the
         distribution the selector proposes from."""
-        k = min(self.top_k, logits.shape[-1])
-        picks = mx.argpartition(logits, -k, axis=-1)[:, -k:]
-        unary = mx.take_along_axis(logits, picks, axis=-1)
-        candidates = picks if vocab_ids is None else vocab_ids[picks]
-        successors = self.successor_codebook(candidates)  # (P, k, rank)
-        queries = self.hidden_projection(hidden)  # (P, rank)
-        token, path = anchor.reshape(()), []
+        candidates, unary = self.candidates(logits, vocab_ids)
+        token, path = anchor.reshape(1), []
         for p in range(hidden.shape[0]):
-            scores = unary[p] + ((self.predecessor_codebook(token) * queries[p])[None] * successors[p]).sum(-1)
+            scores = self.score(token, hidden[p : p + 1], unary[p : p + 1], candidates[p : p + 1])[0]
             if temp > 0:
                 scores = scores.astype(mx.float32) / temp + noise[p][candidates[p]]
-            token = candidates[p][mx.argmax(scores)]
+            token = candidates[p][mx.argmax(scores)].reshape(1)
             path.append(token)
-        return mx.stack(path)
+        return mx.concatenate(path)

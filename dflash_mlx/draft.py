@@ -318,10 +318,11 @@ class DFlash2Layer(DraftLayer):
         self.mlp_conv = GroupedCausalConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
 
     def __call__(self, x: mx.array, context) -> mx.array:
-        y, kernel = self.attention_conv.prepare(self.input_layernorm(x))
-        h = x + self.attention_conv.finish(self.self_attn(y, context), kernel)
-        y, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h))
-        return h + self.mlp_conv.finish(self.mlp(y), kernel)
+        index = getattr(context, "block_index", None)  # packed training blocks; decoding has one block
+        y, kernel = self.attention_conv.prepare(self.input_layernorm(x), index)
+        h = x + self.attention_conv.finish(self.self_attn(y, context), kernel, index)
+        y, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h), index)
+        return h + self.mlp_conv.finish(self.mlp(y), kernel, index)
 
 
 class DFlashDraftModel(nn.Module):

@@ -12,6 +12,9 @@ Each optimizer step:
               sequence; a block is as long as its labels (n <= B-1)
     attention bidirectional inside a block; a block sees the context features of
               its own sequence before its anchor, never another block
+    dflash2   (architecture "dflash2") each block's convolutions see only its own
+              block, and the candidate selector learns to pick the label among
+              the top-k (teacher-forced predecessors), added to the loss
     loss      cross-entropy at the labelled positions, weight exp(-(k-1)/gamma) at
               block position k, over the target's frozen output embeddings
               restricted to the most frequent token ids of the data; optionally
@@ -57,6 +60,11 @@ def stratified_layer_ids(num_layers: int, n: int) -> list[int]:
 class TrainConfig:
     block_size: int = 16
     num_layers: int = 1  # drafter layers
+    architecture: str = "dflash"  # or "dflash2": block convolutions and a candidate selector
+    conv_kernel_size: int = 4  # dflash2
+    conv_group_size: int = 64  # dflash2: channels per convolution group
+    selector_rank: int = 64  # dflash2
+    selector_top_k: int = 8  # dflash2
     num_target_layers: int = 5  # how many target layers feed the drafter
     target_layer_ids: Optional[list[int]] = None  # default: stratified_layer_ids
     mask_token_id: Optional[int] = None  # default: choose_mask_token
@@ -85,6 +93,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.block_size < 2:
             raise ValueError(f"block size must be >= 2, got {self.block_size}")
+        if self.architecture not in ("dflash", "dflash2"):
+            raise ValueError(f"architecture must be dflash or dflash2, got {self.architecture!r}")
         if self.num_layers < 1 or self.num_target_layers < 1:
             raise ValueError("the drafter needs at least one layer and one target layer")
         for name in ("lr", "gamma", "weight_decay", "grad_clip", "min_lr_ratio", "text_fraction", "distill"):
@@ -155,6 +165,8 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
         max_position_embeddings=getattr(getattr(target.model, "args", None), "max_position_embeddings", 8192),
     )
     draft = DFlashDraftModel(args)
+    if cfg.architecture == "dflash2":
+        draft = to_dflash2(draft, cfg)
     if cfg.init_from_target:
         # deepest target layers: they already map hidden states towards the output space
         for layer, source in zip(draft.layers, target.layers[-cfg.num_layers:]):
@@ -164,6 +176,25 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
             layer.load_weights(list(weights.items()), strict=False)
     mx.eval(draft.parameters())
     return draft.bind(target)
+
+
+def to_dflash2(draft: DFlashDraftModel, cfg: TrainConfig) -> DFlashDraftModel:
+    """The same drafter as a DFlash 2 one whose convolutions pass through and whose
+    selector picks the best logit: it drafts exactly what it did, and trains on."""
+    args = DraftArgs(**{**asdict(draft.args), "architecture": "DFlash2DraftModel",
+                        "conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
+                        "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k})
+    grown = DFlashDraftModel(args)
+    grown.update({k: v for k, v in draft.parameters().items() if k != "layers"})
+    for new, old in zip(grown.layers, draft.layers):
+        new.update(old.parameters())
+        new.attention_conv.make_identity()
+        new.mlp_conv.make_identity()
+    grown.candidate_selector.make_neutral()
+    mx.eval(grown.parameters())
+    if draft.vocab_ids is not None:
+        grown.restrict_vocab(draft.vocab_ids.tolist())
+    return grown.bind(draft._target) if draft._target is not None else grown
 
 
 # ---------------------------------------------------------------- target pass and labels
@@ -223,6 +254,8 @@ class PackedBatch:
     weights: mx.array  # (M,) loss weights
     block_offsets: np.ndarray = field(repr=False, default=None)  # (M,) k-1, for per-position metrics
     teacher: Optional[mx.array] = None  # (M, V) the target's logits over the restricted head, for distill
+    block_index: Optional[mx.array] = None  # (1, S * Q) each position's index inside its block
+    predecessors: Optional[mx.array] = None  # (M,) the token before each label (anchor or previous label)
 
     @property
     def groups(self) -> int:
@@ -235,6 +268,7 @@ class PackedContext:
 
     def __init__(self, batch: PackedBatch, context: mx.array):
         self.position = batch.block_positions
+        self.block_index = batch.block_index  # DFlash 2's convolutions stay inside each block
         self._context = context  # (S, L, hidden)
         self._visible = batch.visible
 
@@ -279,7 +313,8 @@ def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[t
     visible = np.zeros((S, 1, Q, L + Q), dtype=bool)
     block_tokens = np.full((S, Q), mask_token_id, dtype=np.int32)
     block_positions = np.zeros((S, Q), dtype=np.int32)
-    label_index, labels, weights, offsets, sources = [], [], [], [], []
+    block_index = np.zeros((S, Q), dtype=np.int32)
+    label_index, labels, weights, offsets, sources, predecessors = [], [], [], [], [], []
     for s, (seq, seq_blocks) in enumerate(zip(seqs, blocks)):
         q = 0
         for a, n in seq_blocks:
@@ -288,6 +323,7 @@ def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[t
             visible[s, 0, rows, L + q : L + q + n + 1] = True  # own block, both directions
             block_tokens[s, q] = seq.tokens[a]
             block_positions[s, rows] = np.arange(a, a + n + 1)
+            block_index[s, rows] = np.arange(n + 1)
             for k in range(1, n + 1):
                 label = int(greedy[s, a + k - 1])
                 if vocab is None or label in vocab:
@@ -296,6 +332,7 @@ def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[t
                     weights.append(math.exp(-(k - 1) / gamma))
                     offsets.append(k - 1)
                     sources.append(s * L + a + k - 1)
+                    predecessors.append(seq.tokens[a] if k == 1 else int(greedy[s, a + k - 2]))
             q += n + 1
         for pad in range(q, Q):  # padding sees only itself (a fully masked row would be NaN)
             visible[s, 0, pad, L + pad] = True
@@ -309,6 +346,8 @@ def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[t
         weights=mx.array(weights, dtype=mx.float32),
         block_offsets=np.array(offsets),
         teacher=None if teacher is None else teacher.reshape(S * L, -1)[mx.array(sources, dtype=mx.int32)],
+        block_index=mx.array(block_index.reshape(1, -1)),
+        predecessors=mx.array(predecessors, dtype=mx.int32),
     )
 
 
@@ -327,20 +366,40 @@ class RestrictedHead:
         self.lookup = mx.array(lookup)
 
 
-def block_logits(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead) -> mx.array:
+def block_hidden(draft: DFlashDraftModel, batch: PackedBatch) -> mx.array:
+    """Final-normed hidden states (M, hidden) of the labelled block positions."""
     context = PackedContext(batch, draft.context(batch.features))
-    h = draft.run_layers(batch.block_tokens, [context] * len(draft.layers))[0]
-    return h[batch.label_index] @ head.weight.T
+    return draft.run_layers(batch.block_tokens, [context] * len(draft.layers))[0][batch.label_index]
+
+
+def block_logits(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead) -> mx.array:
+    return block_hidden(draft, batch) @ head.weight.T
+
+
+def selector_loss(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead, hidden: mx.array,
+                  logits: mx.array) -> mx.array:
+    """Per labelled position: cross-entropy of the selector's scores over the top-k
+    candidates against the label, after the teacher-forced predecessor; zero where
+    the label is not among the candidates (the token loss must first bring it there)."""
+    selector = draft.candidate_selector
+    candidates, unary = selector.candidates(logits, mx.array(head.token_ids))
+    scores = selector.score(batch.predecessors, hidden, unary, candidates).astype(mx.float32)
+    hit = candidates == batch.labels[:, None]
+    per_position = nn.losses.cross_entropy(scores, hit.argmax(axis=-1), reduction="none")
+    return per_position * hit.any(axis=-1)
 
 
 def loss_fn(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead, distill: float = 0.0):
-    logits = block_logits(draft, batch, head).astype(mx.float32)
+    hidden = block_hidden(draft, batch)
+    logits = (hidden @ head.weight.T).astype(mx.float32)
     targets = head.lookup[batch.labels]
     per_position = nn.losses.cross_entropy(logits, targets, reduction="none")
     if distill > 0:
         teacher = mx.softmax(batch.teacher, axis=-1)
         kl = (teacher * (mx.log(teacher + 1e-30) - nn.log_softmax(logits, axis=-1))).sum(axis=-1)
         per_position = (1 - distill) * per_position + distill * kl
+    if draft.args.dflash2:
+        per_position = per_position + selector_loss(draft, batch, head, hidden, logits)
     loss = (per_position * batch.weights).sum() / batch.weights.sum()
     correct = (logits.argmax(axis=-1) == targets)
     return loss, correct
@@ -475,10 +534,10 @@ def fit(
         log(f"resuming at step {state.step} (epoch {state.epoch})")
     elif cfg.init_from:
         draft = load_draft(cfg.init_from, dtype=mx.float32).bind(target)
-        if draft.args.dflash2:
-            raise ValueError(f"{cfg.init_from} is a DFlash 2 drafter: training DFlash 2 is not implemented yet "
-                             "(its block convolutions need per-block packing); start from a DFlash 1 drafter")
         draft = grow(draft, cfg.num_layers)
+        if cfg.architecture == "dflash2" and not draft.args.dflash2:
+            draft = to_dflash2(draft, cfg)
+        cfg.architecture = "dflash2" if draft.args.dflash2 else "dflash"
         cfg.block_size, cfg.num_layers = draft.block_size, len(draft.layers)
         cfg.target_layer_ids, cfg.mask_token_id = draft.target_layer_ids, draft.mask_token_id
         state = TrainState()

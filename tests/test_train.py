@@ -19,6 +19,9 @@ from dflash_mlx.corpus import Window
 from dflash_mlx.train import (
     PackedContext,
     RestrictedHead,
+    block_hidden,
+    selector_loss,
+    to_dflash2,
     TrainConfig,
     evaluate_tau,
     fit,
@@ -100,10 +103,26 @@ def test_packed_blocks_see_exactly_their_own_past_and_block():
             assert np.nonzero(visible[s, 0, pad])[0].tolist() == [L + pad]
 
 
-def test_packed_training_pass_equals_the_decode_pass():
+DFLASH2 = dict(architecture="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=8, selector_top_k=4)
+
+
+def randomize_convolutions(draft):
+    """Convolutions that mix positions (a new drafter's pass through), so leaking across packed blocks shows."""
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = 0.5 * mx.random.normal(conv.base_kernel.shape)
+            conv.kernel_projection.weight = 0.2 * mx.random.normal(conv.kernel_projection.weight.shape)
+    return draft
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_packed_training_pass_equals_the_decode_pass(architecture):
     """The training forward of a block is the decode-time forward of that block."""
     target = tiny_target("llama", seed=3)
-    draft = new_drafter(target, TrainConfig(block_size=4, num_layers=2, num_target_layers=2), MASK)
+    extra = DFLASH2 if architecture == "dflash2" else {}
+    draft = new_drafter(target, TrainConfig(block_size=4, num_layers=2, num_target_layers=2, **extra), MASK)
+    if architecture == "dflash2":
+        draft = randomize_convolutions(draft)
     rng = random.Random(1)
     seqs = make_examples(rng, 3) + [Window("w", [rng.randrange(90) for _ in range(12)])]
     features, greedy, _ = target_pass(target, seqs, draft.target_layer_ids)
@@ -157,6 +176,41 @@ def test_grown_drafter_computes_what_it_did():
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_dflash1_drafter_grown_into_dflash2_drafts_the_same():
+    target = tiny_target("llama", seed=3)
+    draft = new_drafter(target, TrainConfig(block_size=6, num_layers=2, num_target_layers=2), MASK)
+    grown = to_dflash2(draft, TrainConfig(**DFLASH2))
+    assert grown.args.dflash2 and grown.args.selector_top_k == 4
+    features = target(mx.array([[1, 2, 3, 4, 5, 6, 7]]), target.make_cache(), draft.target_layer_ids)[1]
+    block = mx.array([[7] + [MASK] * 5])
+    outs = []
+    for d in (draft, grown):
+        cache = d.make_cache()
+        d.add_context(features, cache)
+        outs.append((np.array(d(block, cache)), d.propose(block, cache, SamplingParams(), None).tolist()))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    assert outs[0][1] == outs[1][1]
+
+
+def test_the_selector_loss_is_zero_only_where_the_label_is_no_candidate():
+    target = tiny_target("llama", seed=3)
+    draft = randomize_convolutions(new_drafter(target, TrainConfig(block_size=4, num_layers=1, num_target_layers=2,
+                                                                   **DFLASH2), MASK))
+    rng = random.Random(2)
+    seqs = make_examples(rng, 3)
+    head = RestrictedHead(output_embeddings(target), Counter(range(97)), 97)
+    features, greedy, _ = target_pass(target, seqs, draft.target_layer_ids)
+    blocks = [sample_blocks(s, label_counts(s.tokens, g, 4), 16, rng) for s, g in zip(seqs, greedy)]
+    batch = pack(seqs, features, greedy, blocks, MASK, 3.0, head.vocab)
+    hidden = block_hidden(draft, batch)
+    logits = hidden @ head.weight.T
+    losses = np.array(selector_loss(draft, batch, head, hidden, logits))
+    top = np.argsort(-np.array(logits), axis=-1)[:, :4]
+    in_top = (top == np.array(head.lookup[batch.labels])[:, None]).any(-1)
+    assert in_top.any() and (~in_top).any()
+    assert (losses[~in_top] == 0).all() and (losses[in_top] > 0).all()
+
+
 def self_distilled(target, n, length, seed=0):
     """The tiny target's own greedy continuations of short prompts over a small
     alphabet: a repetitive corpus whose held-out trajectories resemble the training ones."""
@@ -206,6 +260,29 @@ def test_trained_drafter_round_trips_and_is_lossless(trained):
         out_tokens = [t for s in decode(DFlashModel(target, reloaded), prompt, SamplingParams(), 30, stats=stats)
                       for t in s.tokens]
         assert out_tokens == reference
+
+
+def test_dflash2_training_learns_and_stays_lossless(tmp_path):
+    target = tiny_target("qwen3", seed=4)
+    examples = self_distilled(target, 96, 40)
+    cfg = TrainConfig(block_size=4, num_layers=1, num_target_layers=2, mask_token_id=MASK, epochs=6,
+                      sequences_per_step=8, lr=3e-3, warmup_steps=5, eval_prompts=6, eval_max_tokens=24,
+                      checkpoint_every=100, **DFLASH2)
+    draft = fit(target, None, examples, tmp_path, cfg, show_progress=False, log=lambda *_: None)
+    history = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in history if "loss" in r]
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:3])
+    assert float(mx.abs(draft.candidate_selector.successor_codebook.weight).max()) > 0  # the selector trained
+    reloaded = load_draft(tmp_path, dtype=mx.float32).bind(target)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    for example in examples[-3:]:
+        prompt = mx.array(example.prompt_ids)
+        reference = [int(t) for t, _ in generate_step(prompt, target.model, max_tokens=24)]
+        stats = DecodeStats()
+        got = [t for s in decode(DFlashModel(target, reloaded), prompt, SamplingParams(), 24, stats=stats)
+               for t in s.tokens]
+        assert got == reference
+    assert stats.tau > 1
 
 
 def test_resume_continues_from_the_checkpoint(trained, tmp_path):
