@@ -67,7 +67,7 @@ def load(
 
     resolved = registry.resolve(model, draft, quant)
     target_path = fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
-    group = _pipeline_group(distributed)
+    group = _pipeline_group(distributed, timeout)
     mlx_model, tokenizer = _load_target(target_path, lazy=group is not None)
     if group is None:
         target = Target(mlx_model)
@@ -111,12 +111,14 @@ def _fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:10]
 
 
-def _pipeline_group(distributed: Optional[str]):
+def _pipeline_group(distributed: Optional[str], timeout: float):
     if distributed is None:
         return None
     if distributed != "pipeline":
         raise ValueError(f"--distributed must be 'pipeline', got {distributed!r}")
-    group = mx.distributed.init()
+    from .distributed.pipeline import connect
+
+    group = connect(timeout)
     if group.size() < 2:
         raise ValueError("--distributed pipeline needs several ranks: start it with mlx.launch "
                          "(e.g. mlx.launch --hosts mac1,mac2 -- dflash-mlx generate ... --distributed pipeline)")

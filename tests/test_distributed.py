@@ -113,3 +113,15 @@ def test_serve_over_two_ranks_answers_as_one_process(tiny_dirs):
             os.killpg(server.pid, signal.SIGKILL)
             output, _ = server.communicate()
     assert "/dflash_mlx/" not in output, output  # no traceback from our ranks (mlx.launch may print its own)
+
+
+def test_an_unreachable_rank_ends_the_start_with_one_line(tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
+    tic = time.monotonic()
+    alone = subprocess.run([str(BIN / "dflash-mlx"), "generate", "--prompt", "hi", "--distributed", "pipeline",
+                            "--timeout", "3"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)})
+    assert alone.returncode != 0 and time.monotonic() - tic < 30
+    assert alone.stderr.strip().startswith("error: rank 0: connecting to the other ranks"), alone.stderr
+    assert len(alone.stderr.strip().splitlines()) == 1

@@ -18,6 +18,7 @@ watchdog after `timeout` seconds.
 """
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +37,25 @@ from . import DistributedError
 DRIVER = 0
 HEADER = 64  # words of the fixed-size program message; longer programs take a second one
 MAKE, FREE, CHECKPOINT, ROLLBACK, FORWARD, STOP = range(1, 7)
+
+
+def connect(timeout: float):
+    """mx.distributed.init(), bounded: a rank that cannot reach the others ends with one line.
+    init holds the GIL while it retries, so the deadline is kept by a forked process."""
+    rank, parent = os.environ.get("MLX_RANK", "?"), os.getpid()
+    deadline = os.fork()
+    if deadline == 0:  # only sleeps, writes and signals: safe in a fork
+        time.sleep(timeout)
+        if os.getppid() == parent:
+            os.write(2, f"error: rank {rank}: connecting to the other ranks: no answer in {timeout:g} s (check "
+                        "the hosts, the network, and that every host runs the same command)\n".encode())
+            os.kill(parent, signal.SIGKILL)
+        os._exit(0)
+    try:
+        return mx.distributed.init()
+    finally:
+        os.kill(deadline, signal.SIGKILL)
+        os.waitpid(deadline, 0)
 
 
 def even_split(num_layers: int, size: int) -> list[int]:
