@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.target import Target
 from tiny_models import oracle_draft, random_dflash2, random_draft, tiny_model, tiny_target
 
 MODEL_TYPES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
@@ -167,3 +168,18 @@ def test_recording_gated_delta_equals_mlx_lm(model_type):
         assert tape.length == block.shape[1]
         assert mx.allclose(got, expected, atol=1e-5) and mx.allclose(ours[1], theirs[1], atol=1e-5)
         assert mx.array_equal(ours[0], theirs[0])
+
+
+def test_gemma4_unified_loads_as_gemma4_and_is_lossless():
+    """mlx-lm maps the encoder-free multimodal `gemma4_unified` onto its gemma4 model."""
+    from mlx_lm.utils import _get_classes
+    from tiny_models import _config
+
+    _, config = _config("gemma4")
+    config["model_type"] = "gemma4_unified"
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(2)
+    target = Target(model_class(args_class.from_dict(config)))
+    mx.eval(target.model.parameters())
+    out, stats = dflash_greedy(target, random_draft(target, block_size=5), PROMPTS[0], block_size=5)
+    assert out == plain_greedy(target, PROMPTS[0]) and len(stats.accepted_lengths) > 0
