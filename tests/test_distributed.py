@@ -125,3 +125,14 @@ def test_an_unreachable_rank_ends_the_start_with_one_line(tmp_path):
     assert alone.returncode != 0 and time.monotonic() - tic < 30
     assert alone.stderr.strip().startswith("error: rank 0: connecting to the other ranks"), alone.stderr
     assert len(alone.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma4_text"])
+def test_models_whose_layers_differ_are_refused_for_our_own_split(model_type):
+    import mlx.core as mx
+
+    from dflash_mlx.distributed.pipeline import PipelineTarget
+    from tiny_models import tiny_model
+
+    with pytest.raises(ValueError, match="no pipeline\\(\\) and its layers are not all alike"):
+        PipelineTarget(tiny_model(model_type), mx.distributed.init())
