@@ -74,6 +74,11 @@ def cli_cases(tiny_dirs, tmp_path):
         (gen + ["--block-size", "0"], "--block-size"),
         (["generate", "--model", "Qwen9-Imaginary", "--prompt", "hi"], "unknown model 'Qwen9-Imaginary'"),
         (gen + ["--max-tokens", "100000"], "context"),
+        (gen + ["--distributed", "pipeline"], "start it with mlx.launch"),
+        (gen + ["--distributed", "ring"], "--distributed must be 'pipeline'"),
+        (gen + ["--split", "1,1"], "--split and --timeout go with --distributed"),
+        (gen + ["--distributed", "pipeline", "--timeout", "0"], "--timeout must be > 0"),
+        (["serve", "--model", model, "--distributed", "pipeline"], "start it with mlx.launch"),
         # generate: text and paths
         (["generate", "--model", model, "--prompt", "  "], "prompt is empty"),
         (["generate", "--model", model, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], "UTF-8"),
