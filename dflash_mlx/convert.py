@@ -44,11 +44,13 @@ def _check_quant(q_bits: Optional[int], q_group_size: int) -> None:
 
 
 def quantize_draft(draft: DFlashDraftModel, bits: int, group_size: int, quantize_fc: bool = True) -> dict:
-    """Quantize the drafter's linear layers in place (norms never); returns the config entry."""
+    """Quantize the drafter's linear layers and DFlash 2 codebooks in place (norms never); returns
+    the config entry."""
     skipped = [] if quantize_fc else ["fc"]
 
     def predicate(path: str, module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear) and path not in skipped and module.weight.shape[-1] % group_size == 0
+        return (isinstance(module, (nn.Linear, nn.Embedding)) and path not in skipped
+                and module.weight.shape[-1] % group_size == 0)
 
     nn.quantize(draft, group_size=group_size, bits=bits, class_predicate=predicate)
     entry = {"group_size": group_size, "bits": bits, "mode": "affine"}
@@ -74,7 +76,7 @@ def convert_draft(
         raise ValueError(f"drafter dtype must be one of {', '.join(DRAFT_DTYPES)} "
                          "(float16 activations overflow in drafters)")
     plan = Plan(source, out, [f"weights and activations in {dtype}"])
-    plan.steps.append(f"quantize linear layers to {q_bits} bits, group {q_group_size}"
+    plan.steps.append(f"quantize linear layers (and DFlash 2 codebooks) to {q_bits} bits, group {q_group_size}"
                       + ("" if quantize_fc else ", fc kept in float") + "; norms stay float"
                       if q_bits else "no quantization")
     plan.steps.append("write config.json (z-lab schema + mlx `quantization`) and model.safetensors")

@@ -139,17 +139,18 @@ def test_targets_convert_load_and_decode_losslessly(tmp_path):
 
 
 def test_dflash2_drafter_quantizes_and_reloads(tmp_path, target):
-    """Convolution and selector projections quantize; base kernels, codebooks and norms stay float;
-    the codebooks keep z-lab's names (no .weight) on disk."""
+    """Convolution and selector projections and the codebooks quantize; base kernels and norms stay
+    float; the codebooks keep z-lab's names (no .weight) on disk."""
     source = save_draft(random_dflash2(target, seed=3, layer_ids=(1, 3), block_size=4, head_dim=16,
-                                       intermediate_size=128), tmp_path / "d2")
+                                       intermediate_size=128, selector_rank=32), tmp_path / "d2")
     out = convert_draft(str(source), tmp_path / "q8", q_bits=8, q_group_size=32, show_progress=False)
     names = set(mx.load(str(out / "model.safetensors")))
     assert "candidate_selector.successor_codebook" in names and "layers.0.mlp_conv.base_kernel" in names
+    assert "candidate_selector.successor_codebook.scales" in names
     reloaded = load_draft(out).bind(target)
     assert isinstance(reloaded.layers[0].attention_conv.kernel_projection, nn.QuantizedLinear)
     assert isinstance(reloaded.candidate_selector.hidden_projection, nn.QuantizedLinear)
-    assert type(reloaded.candidate_selector.predecessor_codebook) is nn.Embedding
+    assert isinstance(reloaded.candidate_selector.predecessor_codebook, nn.QuantizedEmbedding)
     in_memory = load_draft(source, dtype=mx.bfloat16)  # convert's default dtype
     quantize_draft(in_memory, 8, 32)
     np.testing.assert_array_equal(block_logits(reloaded, target), block_logits(in_memory.bind(target), target))
