@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from dflash_mlx.draft import DraftLoadError, load_draft, save_draft
-from tiny_models import random_draft, tiny_target
+from tiny_models import random_dflash2, random_draft, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,42 @@ def test_corrupt_weights(tmp_path, target):
     (d / "model.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(DraftLoadError, match="corrupt"):
         load_draft(d)
+
+
+def dflash2_dir(tmp_path, target, drop=(), dflash_config=None):
+    """A DFlash 2 drafter saved in z-lab's names, then optionally damaged."""
+    out = save_draft(random_dflash2(target), tmp_path / "d2")
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"].update(dflash_config or {})
+    (out / "config.json").write_text(json.dumps(config))
+    if drop:
+        weights = dict(mx.load(str(out / "model.safetensors")))
+        for name in drop:
+            weights.pop(name)
+        mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
+def test_dflash2_schema_round_trips(tmp_path, target):
+    out = dflash2_dir(tmp_path, target)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"} <= set(config["dflash_config"])
+    names = set(mx.load(str(out / "model.safetensors")))
+    assert {"layers.0.attention_conv.base_kernel", "layers.0.attention_conv.kernel_projection.weight",
+            "layers.0.mlp_conv.base_kernel", "candidate_selector.hidden_projection.weight",
+            "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"} <= names
+    assert load_draft(out).bind(target).candidate_selector is not None
+
+
+@pytest.mark.parametrize("damage, message", [
+    (dict(drop=["candidate_selector.successor_codebook"]), "missing candidate_selector.successor_codebook"),
+    (dict(drop=["candidate_selector.hidden_projection.weight"]), "missing candidate_selector.hidden_projection"),
+    (dict(dflash_config={"conv_kernel_size": 5}), r"_conv\..* has shape .* config implies"),
+    (dict(dflash_config={"conv_group_size": 7}), "conv_group_size 7 does not divide hidden_size"),
+    (dict(dflash_config={"selector_rank": 16}), "selector.* has shape"),
+    (dict(dflash_config={"selector_top_k": 0}), "needs dflash_config.selector_top_k > 0"),
+])
+def test_broken_dflash2_checkpoints_are_named(tmp_path, target, damage, message):
+    with pytest.raises(DraftLoadError, match=message):
+        load_draft(dflash2_dir(tmp_path, target, **damage))
