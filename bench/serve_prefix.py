@@ -36,9 +36,10 @@ def ttft(client, messages) -> tuple[float, int]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--code-prompts", type=int, default=8, help="HumanEval prompts in the system prompt")
     args = parser.parse_args()
     model, tokenizer = load(None)
-    system = "You answer questions about this code.\n" + "\n".join(load_prompts("humaneval", 6))
+    system = "You answer questions about this code.\n" + "\n".join(load_prompts("humaneval", args.code_prompts))
     questions = [q for q in load_prompts("mtbench", args.turns)]
     print(f"system prompt: {len(tokenizer.encode(system))} tokens; {args.turns} turns, each a new question")
     for label, cache_bytes in (("prefix reuse off", 0), ("prefix reuse on", 1 << 30)):
