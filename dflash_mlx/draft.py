@@ -492,12 +492,13 @@ def safe_activation_dtype(dtype: mx.Dtype) -> mx.Dtype:
     return mx.bfloat16 if dtype == mx.float16 else dtype
 
 
-def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraftModel:
+def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None, dequantize: bool = False) -> DFlashDraftModel:
     """Load a drafter directory (z-lab format: config.json + *.safetensors).
 
     Weights and activations use `dtype` (default: as stored), except that
     float16 becomes bfloat16 (see safe_activation_dtype); quantized layers keep
-    their packed weights and take their scales in that dtype."""
+    their packed weights and take their scales in that dtype, unless
+    `dequantize`, which expands them to plain `dtype` weights."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -533,13 +534,18 @@ def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraf
         )
         model.quantization = quantization
     _load_weights_checked(model, weights, path)
+    model.set_dtype(safe_activation_dtype(dtype or model.dtype))
+    if dequantize and model.quantization:  # after the cast: expanded in the activation dtype
+        from mlx_lm.utils import dequantize_model
+
+        dequantize_model(model)
+        model.quantization = None
     if (path / VOCAB_FILE).is_file():
         try:
             model.restrict_vocab(json.loads((path / VOCAB_FILE).read_text())["token_ids"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DraftLoadError(f"{path / VOCAB_FILE} is not a drafting vocabulary ({e}); delete it or "
                                  "re-export the drafter") from None
-    model.set_dtype(safe_activation_dtype(dtype or model.dtype))
     mx.eval(model.parameters())
     model.eval()
     return model

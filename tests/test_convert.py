@@ -154,3 +154,25 @@ def test_dflash2_drafter_quantizes_and_reloads(tmp_path, target):
     in_memory = load_draft(source, dtype=mx.bfloat16)  # convert's default dtype
     quantize_draft(in_memory, 8, 32)
     np.testing.assert_array_equal(block_logits(reloaded, target), block_logits(in_memory.bind(target), target))
+
+
+def test_quantized_drafters_expand_for_the_cpu(tmp_path, target):
+    """On MLX's CPU backend quantized matmuls are several times slower than float ones, so a
+    quantized drafter can be loaded expanded: plain float32 layers computing what it computed."""
+    source = save_draft(random_dflash2(target, seed=3, layer_ids=(1, 3), block_size=4, head_dim=16,
+                                       intermediate_size=128, selector_rank=32), tmp_path / "d2")
+    out = convert_draft(str(source), tmp_path / "q8", q_bits=8, q_group_size=32, show_progress=False)
+    packed = load_draft(out, dtype=mx.float32).bind(target)
+    expanded = load_draft(out, dtype=mx.float32, dequantize=True).bind(target)
+    kinds = {type(m) for _, m in expanded.named_modules()}
+    assert not kinds & {nn.QuantizedLinear, nn.QuantizedEmbedding} and expanded.quantization is None
+    assert all(p.dtype == mx.float32 for _, p in tree_flatten(expanded.parameters()))
+    np.testing.assert_allclose(block_logits(expanded, target), block_logits(packed, target), rtol=1e-4, atol=1e-4)
+    # and the candidate selector picks the same paths
+    features = mx.random.normal((1, 6, 2 * target.hidden_size))
+    drafts = []
+    for draft in (packed, expanded):
+        cache = draft.make_cache()
+        draft.add_context(features, cache)
+        drafts.append(draft.propose(mx.array([[5] + [draft.mask_token_id] * 3]), cache, SamplingParams(), None))
+    assert mx.array_equal(*drafts)
