@@ -78,7 +78,7 @@ def convert_draft(
     plan = Plan(source, out, [f"weights and activations in {dtype}"])
     plan.steps.append(f"quantize linear layers (and DFlash 2 codebooks) to {q_bits} bits, group {q_group_size}"
                       + ("" if quantize_fc else ", fc kept in float") + "; norms stay float"
-                      if q_bits else "no quantization")
+                      if q_bits else f"no quantization (a quantized drafter is expanded to {dtype})")
     plan.steps.append("write config.json (z-lab schema + mlx `quantization`) and model.safetensors")
     if dry_run:
         return plan
@@ -89,7 +89,8 @@ def convert_draft(
     with progress(show_progress) as bar:
         task = add_task(bar, "convert drafter", total=3, info=Path(source).name)
         path = fetch(source, ["*.json", "*.safetensors"])
-        draft = load_draft(path, dtype=DRAFT_DTYPES[dtype])
+        # without --q-bits a quantized drafter is expanded: float weights are what SGLang, vLLM and z-lab read
+        draft = load_draft(path, dtype=DRAFT_DTYPES[dtype], dequantize=not q_bits)
         if draft.quantization:
             raise DraftLoadError(f"{source} is already quantized; convert from the float drafter")
         bar.advance(task)

@@ -176,3 +176,13 @@ def test_quantized_drafters_expand_for_the_cpu(tmp_path, target):
         draft.add_context(features, cache)
         drafts.append(draft.propose(mx.array([[5] + [draft.mask_token_id] * 3]), cache, SamplingParams(), None))
     assert mx.array_equal(*drafts)
+
+
+def test_a_quantized_drafter_converts_back_to_float(tmp_path, target, zlab_drafter):
+    """For runtimes that read float weights only (SGLang, vLLM, z-lab's own code)."""
+    q8 = convert_draft(str(zlab_drafter), tmp_path / "q8", q_bits=8, show_progress=False)
+    out = convert_draft(str(q8), tmp_path / "bf16", show_progress=False)
+    assert "quantization" not in json.loads((out / "config.json").read_text())
+    assert all(w.dtype == mx.bfloat16 for w in mx.load(str(out / "model.safetensors")).values())
+    expanded, packed = (block_logits(load_draft(d, dtype=mx.float32).bind(target), target) for d in (out, q8))
+    assert np.abs(expanded - packed).mean() / np.abs(packed).mean() < 0.01  # bf16 rounding of the weights only
