@@ -57,6 +57,11 @@ def run(name, responses):
     return tokens, tps, tau if name != "plain" else 1.0
 
 
+def without_eos(tokens: list[int], tokenizer) -> list[int]:
+    """mlx-lm and z-lab report the end-of-sequence token, we do not."""
+    return tokens[:-1] if tokens and tokens[-1] in tokenizer.eos_token_ids else tokens
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT))
@@ -91,9 +96,9 @@ def main():
                 prompt = format_prompt(tokenizer, text)
                 order = names[i % len(names):] + names[:i % len(names)]
                 outputs = {d: run(d, decoders[d](prompt)) for d in order}
-                reference = outputs["plain"][0]
+                reference = without_eos(outputs["plain"][0], tokenizer)
                 for d, (tokens, tps, tau) in outputs.items():
-                    if tokens != reference:
+                    if without_eos(tokens, tokenizer) != reference:
                         print(f"note: {d} differs from plain greedy on {s} #{i}")
                     results[s][d].append((tps, tau))
                 bar.update(task, advance=1, info=f"{s} #{i}")

@@ -520,9 +520,6 @@ def fit(
     checkpoint = out_dir / "checkpoint"
     if len(examples) <= cfg.eval_prompts:
         raise ValueError(f"need more than {cfg.eval_prompts} examples (the held-out set), got {len(examples)}")
-    if cfg.mask_token_id is None:
-        cfg.mask_token_id = choose_mask_token(tokenizer)
-
     if resume and (checkpoint / "state.json").is_file():
         saved = json.loads((checkpoint / "state.json").read_text())
         # the architecture and recipe are the checkpoint's; only the length can change
@@ -533,7 +530,7 @@ def fit(
         state = TrainState(**saved["state"])
         log(f"resuming at step {state.step} (epoch {state.epoch})")
     elif cfg.init_from:
-        draft = load_draft(cfg.init_from, dtype=mx.float32).bind(target)
+        draft = load_draft(cfg.init_from, dtype=mx.float32, dequantize=True).bind(target)
         draft = grow(draft, cfg.num_layers)
         if cfg.architecture == "dflash2" and not draft.args.dflash2:
             draft = to_dflash2(draft, cfg)
@@ -543,6 +540,8 @@ def fit(
         state = TrainState()
         log(f"starting from the drafter in {cfg.init_from} ({cfg.num_layers} layers)")
     else:
+        if cfg.mask_token_id is None:  # a resumed or warm-started drafter brings its own
+            cfg.mask_token_id = choose_mask_token(tokenizer)
         draft = new_drafter(target, cfg, cfg.mask_token_id)
         state = TrainState()
     draft.train()

@@ -7,10 +7,12 @@ import random
 from collections import Counter
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
+from dflash_mlx.convert import convert_draft
 from dflash_mlx.data import Example, read_data
 from dflash_mlx.draft import load_draft
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
@@ -315,3 +317,14 @@ def test_bad_training_input(tmp_path):
 def test_position_acceptance_is_conditional():
     # cycles committing 1, 2, 3 and 3 tokens at width 3: position 1 accepted in 3 of 4, position 2 in 2 of 3
     assert position_acceptance([1, 2, 3, 3], 3) == [0.75, pytest.approx(2 / 3)]
+
+
+def test_training_starts_from_a_quantized_drafter(trained, tmp_path):
+    """The shipped drafter is 8-bit: a warm start expands it and trains float weights."""
+    target, examples, out, _, _ = trained
+    q8 = convert_draft(str(out), tmp_path / "q8", q_bits=8, q_group_size=32, show_progress=False)
+    cfg = TrainConfig(init_from=str(q8), num_layers=1, sequences_per_step=4, steps=2, warmup_steps=1,
+                      eval_prompts=2, eval_max_tokens=8, checkpoint_every=100)
+    draft = fit(target, None, examples, tmp_path / "warm", cfg, show_progress=False, log=lambda *_: None)
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules())
+    assert "quantization" not in json.loads((tmp_path / "warm" / "config.json").read_text())
