@@ -86,8 +86,8 @@ def load(
         draft_path = fetch(resolved.draft, ["*.json", "*.safetensors"])
         # fp16 activations overflow in drafters (zero acceptance seen in other ports)
         dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
-        # MLX's CPU backend multiplies quantized weights 4-15x slower than fp32 with BLAS
-        # (a 3-layer drafter: 114 vs 8 ms per 16-token block), so there they are expanded
+        # MLX's CPU backend multiplies quantized weights several times slower than fp32 with
+        # BLAS (bench/drafter_pass.py: 120 vs 10 ms per 16-token block), so there they are expanded
         drafter = load_draft(draft_path, dtype=dtype, dequantize=mx.default_device() == mx.cpu).bind(target)
     chooser = None
     if drafter is not None and adaptive:
