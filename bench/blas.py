@@ -8,7 +8,7 @@ import time
 
 import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
-from dflash_mlx import _blas
+from dflash_mlx.io import blas
 
 
 def gflops(n: int = 1024, repeats: int = 10) -> float:
@@ -23,5 +23,5 @@ def gflops(n: int = 1024, repeats: int = 10) -> float:
 
 
 if __name__ == "__main__":
-    print(f"BLAS: {_blas.status()}")
+    print(f"BLAS: {blas.status()}")
     print(f"1024x1024 fp32 matmul: {gflops():.1f} GFLOP/s (median of 10)")

@@ -24,9 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_mlx.api import load
-from dflash_mlx.data import read_data
+from dflash_mlx.train.data import read_data
 from dflash_mlx.sampling import SamplingParams, probabilities
-from dflash_mlx.train import split_held_out
+from dflash_mlx.train.evaluate import split_held_out
 
 
 def main():

@@ -19,8 +19,8 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 
 from dflash_mlx.api import load
-from dflash_mlx.data import read_data
-from dflash_mlx.train import split_held_out
+from dflash_mlx.train.data import read_data
+from dflash_mlx.train.evaluate import split_held_out
 
 
 def draft_ms(draft, cache, width: int, repeats: int) -> float:

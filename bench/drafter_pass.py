@@ -17,8 +17,9 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 
-from dflash_mlx.draft import load_draft
-from dflash_mlx.registry import DEFAULT_DRAFT, smollm2_path
+from dflash_mlx.drafters import load_draft
+from dflash_mlx.convert.smollm2 import smollm2_path
+from dflash_mlx.registry import DEFAULT_DRAFT
 from dflash_mlx.target import Target
 
 

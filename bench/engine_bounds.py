@@ -22,7 +22,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import format_prompt
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
-from dflash_mlx.registry import smollm2_path
+from dflash_mlx.convert.smollm2 import smollm2_path
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import Target
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 
 from dflash_mlx import kernels
-from dflash_mlx.progress import add_task, progress
+from dflash_mlx.io.progress import add_task, progress
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -23,10 +23,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from dflash_mlx import format_prompt, load
-from dflash_mlx.bench import SAMPLED
-from dflash_mlx.benchmarks import load_prompts
+from dflash_mlx.bench.harness import SAMPLED
+from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.engine import DFlashModel, decode
-from dflash_mlx.progress import add_task, progress
+from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.sampling import SamplingParams
 
 

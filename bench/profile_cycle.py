@@ -19,9 +19,9 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import format_prompt, load
-from dflash_mlx.benchmarks import load_prompts
+from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.engine import Context, draft, prefill, verify
-from dflash_mlx.progress import add_task, progress
+from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.sampling import SamplingParams, accept, choose
 
 PHASES = ("draft", "verify", "accept", "rollback", "python")

@@ -16,11 +16,12 @@ import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 
-from dflash_mlx.convert import convert_draft, draft_size_mb
-from dflash_mlx.data import read_data
-from dflash_mlx.draft import load_draft
+from dflash_mlx.convert.models import convert_draft, draft_size_mb
+from dflash_mlx.train.data import read_data
+from dflash_mlx.drafters import load_draft
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
-from dflash_mlx.registry import DEFAULT_DRAFT, smollm2_path
+from dflash_mlx.convert.smollm2 import smollm2_path
+from dflash_mlx.registry import DEFAULT_DRAFT
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import Target
 

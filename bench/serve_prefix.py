@@ -17,7 +17,7 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 import openai
 
 from dflash_mlx.api import load
-from dflash_mlx.benchmarks import load_prompts
+from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.serve import make_app, serve_in_background
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import test_zlab_parity as parity
-from dflash_mlx.draft import load_draft, save_draft
+from dflash_mlx.drafters import load_draft, save_draft
 from tiny_models import random_dflash2, tiny_model, tiny_target
 
 PROMPT = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])

@@ -1,11 +1,11 @@
 """dflash-mlx: DFlash block-diffusion speculative decoding on MLX."""
 
-from . import _blas
+from .io import blas
 
-_blas.load_openblas()  # must run before anything imports mlx.core
+blas.load_openblas()  # must run before anything imports mlx.core
 
 from .api import GenerationResponse, format_prompt, generate, load, stream_generate  # noqa: E402
-from .draft import DFlashDraftModel, DraftArgs, load_draft  # noqa: E402
+from .drafters import DFlashDraftModel, DraftArgs, load_draft  # noqa: E402
 from .engine import DecodeStats, DFlashModel  # noqa: E402
 from .target import Target  # noqa: E402
 

@@ -30,9 +30,9 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .progress import console
+from .io.progress import console
 from .sampling import Noise, SamplingParams, choose
-from .storage import atomic_write
+from .io.storage import atomic_write
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SAMPLE_ROWS = 8

@@ -11,12 +11,12 @@ import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import WidthChooser, cached_costs, measure_costs
-from .draft import load_draft
-from .progress import console
+from .drafters import load_draft
+from .io.progress import console
 from .engine import DecodeStats, DFlashModel, decode
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, check_seed
-from .storage import cache_dir, fetch
+from .io.storage import cache_dir, fetch
 from .target import Target
 
 
@@ -156,8 +156,7 @@ def format_prompt(
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return _chat_ids(tokenizer, messages)
     return tokenizer.encode(prompt)
 
 
@@ -204,18 +203,32 @@ def prompt_ids(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array
         if prompt.dtype not in (mx.int32, mx.int64, mx.uint32, mx.uint64, mx.int16, mx.uint16, mx.int8, mx.uint8):
             raise TypeError(f"a prompt array must hold integer token ids, got {prompt.dtype}")
         ids = prompt.reshape(-1).tolist()
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        ids = _chat_ids(tokenizer, list(prompt))
     elif isinstance(prompt, (list, tuple)):
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             raise TypeError("a prompt list must hold integer token ids")
         ids = [int(t) for t in prompt]
     else:
-        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise TypeError(f"prompt must be a string, chat messages or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError("the prompt is empty; give some text to continue")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
     return mx.array(ids, dtype=mx.int32)
+
+
+def _chat_ids(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
+    """Chat messages ([{"role": ..., "content": ...}]) through the tokenizer's chat template,
+    ready for the assistant's turn."""
+    bad = next((m for m in messages if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)), None)
+    if bad is not None:
+        raise ValueError(f"a chat message needs a string 'role' and 'content', got {bad!r}")
+    if not tokenizer.has_chat_template:
+        raise ValueError("this tokenizer has no chat template: pass text or token ids instead of chat messages")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _context_limit(target: Target) -> Optional[int]:
@@ -226,7 +239,7 @@ def _context_limit(target: Target) -> Optional[int]:
 def stream_generate(
     model: DFlashModel,
     tokenizer: TokenizerWrapper,
-    prompt: Union[str, list[int], mx.array],
+    prompt: Union[str, list[dict], list[int], mx.array],
     max_tokens: int = 256,
     *,
     temp: float = 0.0,
@@ -327,7 +340,7 @@ def stream_generate(
 def generate(
     model: DFlashModel,
     tokenizer: TokenizerWrapper,
-    prompt: Union[str, list[int], mx.array],
+    prompt: Union[str, list[dict], list[int], mx.array],
     max_tokens: int = 256,
     verbose: bool = False,
     **kwargs,

@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from . import _blas
+from .io import blas
 from .distributed import DistributedError
-from .draft import DraftLoadError
+from .drafters import DraftLoadError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 train_app = typer.Typer(no_args_is_help=True, help="Train DFlash drafters: make-data, then fit.")
@@ -128,7 +128,7 @@ def generate(
     if pair.draft is None and not no_draft:
         typer.secho(f"note: {pair.draft_note}; running plain target decoding", err=True, fg=typer.colors.YELLOW)
     if verbose:
-        typer.echo(f"BLAS: {_blas.status()}", err=True)
+        typer.echo(f"BLAS: {blas.status()}", err=True)
         typer.echo(f"target: {pair.target.model_type}, {pair.target.num_layers} layers", err=True)
         if pair.draft is not None:
             typer.echo(f"drafter: {len(pair.draft.layers)} layers, block {pair.draft.block_size}, "
@@ -227,10 +227,10 @@ def make_data(
 ):
     """Generate the target's own greedy responses (self-distillation data)."""
     from .api import load
-    from .data import make_data as run
-    from .prompts import read_prompts
+    from .train.data import make_data as run
+    from .train.prompts import read_prompts
 
-    from .storage import writable
+    from .io.storage import writable
 
     if max_tokens <= 0 or batch_size <= 0:
         fail("--max-tokens and --batch-size must be > 0")
@@ -273,11 +273,13 @@ def fit(
 ):
     """Train a drafter on self-distillation data (the target stays frozen)."""
     from .api import load
-    from .corpus import benchmark_shingles, text_windows
-    from .data import read_data, target_fingerprint
-    from .progress import console
-    from .storage import writable
-    from .train import TrainConfig, checkpoint_config, fit as run
+    from .train.corpus import benchmark_shingles, text_windows
+    from .train.data import read_data, target_fingerprint
+    from .io.progress import console
+    from .io.storage import writable
+    from .train.config import TrainConfig
+    from .train.checkpoint import checkpoint_config
+    from .train.fit import fit as run
 
     try:
         ids = [int(i) for i in target_layer_ids.split(",")] if target_layer_ids else None
@@ -319,8 +321,8 @@ def evaluate(
     """Tau of a drafter (greedy, the real decode loop, fixed width) and the acceptance
     rate of each block position, on held-out data or benchmark prompts."""
     from .api import format_prompt, load
-    from .data import read_data, target_fingerprint
-    from .train import committed_lengths, position_acceptance, split_held_out
+    from .train.data import read_data, target_fingerprint
+    from .train.evaluate import committed_lengths, position_acceptance, split_held_out
 
     if prompts <= 0 or max_tokens <= 0:
         fail("--prompts and --max-tokens must be > 0")
@@ -329,7 +331,7 @@ def evaluate(
     pair, tokenizer = load(model, draft, adaptive=False)
     width = block_size or pair.draft.block_size
     if sets is not None:
-        from .benchmarks import load_prompts
+        from .bench.prompt_sets import load_prompts
 
         groups = {name: [format_prompt(tokenizer, p) for p in load_prompts(name.strip(), prompts)]
                   for name in sets.split(",") if name.strip()}
@@ -358,20 +360,20 @@ def bench(
 ):
     """Plain mlx-lm decoding vs DFlash on benchmark prompts, interleaved; JSON, markdown and plots."""
     from .api import load
-    from .bench import run_bench
+    from .bench.harness import run_bench
 
     chosen_modes = [m.strip() for m in modes.split(",") if m.strip()]
     if not chosen_modes or set(chosen_modes) - {"greedy", "sampled"}:
         fail(f"--modes must be greedy and/or sampled, got {modes!r}")
     if prompts_per_set <= 0 or max_tokens <= 0:
         fail("--prompts-per-set and --max-tokens must be > 0")
-    from .storage import writable
+    from .io.storage import writable
 
     writable(Path(out), "results")
     pair, tokenizer = load(model, draft, adaptive=not no_adaptive)
     results = run_bench(pair, tokenizer, [s.strip() for s in sets.split(",")], prompts_per_set, max_tokens,
                         chosen_modes, out, block_size, label=model or "SmolLM2-135M-Instruct")
-    from .bench import markdown
+    from .bench.harness import markdown
 
     typer.echo(markdown(results))
     typer.echo(f"results in {out}")
@@ -390,7 +392,7 @@ def convert_draft(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be written and stop."),
 ):
     """Convert a DFlash drafter, optionally quantized; `load` reads the result."""
-    from .convert import convert_draft as run, draft_size_mb
+    from .convert.models import convert_draft as run, draft_size_mb
 
     result = run(source, out, q_bits, q_group_size, quantize_fc, dtype, force, dry_run)
     typer.echo(result if dry_run else f"drafter in {result} ({draft_size_mb(result):.1f} MB)")
@@ -408,7 +410,7 @@ def convert_target(
     dry_run: bool = typer.Option(False, "--dry-run"),
 ):
     """Convert a target model into an mlx-lm directory."""
-    from .convert import convert_target as run
+    from .convert.models import convert_target as run
 
     result = run(source, out, q_bits, q_group_size, dtype, force, dry_run)
     typer.echo(result if dry_run else f"model in {result}")

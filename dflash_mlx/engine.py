@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .adaptive import WidthChooser
-from .draft import DFlashDraftModel
+from .drafters import DFlashDraftModel
 from .prompt_cache import PromptCache
 from .sampling import Noise, SamplingParams, accept, choose, new_seed
 from .target import Target, TargetCache

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real offline default model, converted into the user's cache on first use."""
-    from dflash_mlx.registry import smollm2_path
+    from dflash_mlx.convert.smollm2 import smollm2_path
 
     return smollm2_path(show_progress=False)
 
@@ -28,8 +28,8 @@ def smollm2(smollm2_dir):
 def tiny_dirs(tmp_path_factory):
     """A tiny llama model dir (tokenizer and chat template included) and a drafter for it."""
     from dflash_mlx import load
-    from dflash_mlx.convert import convert_target
-    from dflash_mlx.draft import save_draft
+    from dflash_mlx.convert.models import convert_target
+    from dflash_mlx.drafters import save_draft
     from gguf_fixtures import write_gguf
     from tiny_models import random_draft
 

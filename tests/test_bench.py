@@ -6,10 +6,10 @@ import mlx.core as mx
 from typer.testing import CliRunner
 
 from dflash_mlx import load
-from dflash_mlx.bench import run_bench
+from dflash_mlx.bench.harness import run_bench
 from dflash_mlx.cli import app
-from dflash_mlx.draft import DFlashDraftModel, save_draft
-from dflash_mlx.gguf import convert_gguf
+from dflash_mlx.drafters import DFlashDraftModel, save_draft
+from dflash_mlx.convert.gguf import convert_gguf
 from gguf_fixtures import write_gguf
 from tiny_models import draft_args
 

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from dflash_mlx import load
 from dflash_mlx.cli import app
-from dflash_mlx.convert import convert_draft, convert_target, quantize_draft
-from dflash_mlx.draft import DFlashDraftModel, DraftLoadError, load_draft, save_draft
+from dflash_mlx.convert.models import convert_draft, convert_target, quantize_draft
+from dflash_mlx.drafters import DFlashDraftModel, DraftLoadError, load_draft, save_draft
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
 from gguf_fixtures import write_gguf

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from dflash_mlx.draft import DraftLoadError, load_draft, save_draft
+from dflash_mlx.drafters import DraftLoadError, load_draft, save_draft
 from tiny_models import random_dflash2, random_draft, tiny_target
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import engine
-from dflash_mlx.draft import DraftLoadError, load_draft, save_draft
+from dflash_mlx.drafters import DraftLoadError, load_draft, save_draft
 from dflash_mlx.engine import DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
 from test_engine import PROMPTS, plain_greedy

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx.gguf import GGUFError, convert_gguf
+from dflash_mlx.convert.gguf import GGUFError, convert_gguf
 from gguf_fixtures import write_gguf
 
 TEXT = "Hello world! I have 12 apples.\n\ndef add(a, b): return a + b <|im_end|>"

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from dflash_mlx import generate, load, stream_generate
 from dflash_mlx.cli import app
-from dflash_mlx.convert import convert_target
-from dflash_mlx.storage import staged
+from dflash_mlx.convert.models import convert_target
+from dflash_mlx.io.storage import staged
 
 runner = CliRunner()
 REPO = Path(__file__).parent.parent
@@ -158,9 +158,9 @@ def test_every_bad_api_argument_names_itself(tiny_pair):
 
 
 def test_other_api_entry_points_name_their_bad_arguments(tiny_pair, tmp_path):
-    from dflash_mlx.bench import run_bench
-    from dflash_mlx.convert import convert_draft
-    from dflash_mlx.train import TrainConfig
+    from dflash_mlx.bench.harness import run_bench
+    from dflash_mlx.convert.models import convert_draft
+    from dflash_mlx.train.config import TrainConfig
 
     model, tokenizer = tiny_pair
     cases = [
@@ -281,7 +281,7 @@ def test_corrupt_cost_cache_is_measured_again(tiny_dirs, tmp_path, monkeypatch, 
 
 
 def test_empty_cache_variable_means_the_default(monkeypatch):
-    from dflash_mlx.storage import cache_dir
+    from dflash_mlx.io.storage import cache_dir
 
     monkeypatch.setenv("DFLASH_MLX_CACHE", "")
     assert cache_dir() == Path.home() / ".cache" / "dflash-mlx"
@@ -300,7 +300,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 import dflash_mlx
 from pathlib import Path
-from dflash_mlx.storage import staged
+from dflash_mlx.io.storage import staged
 with staged(Path({out!r}), force=False) as staging:
     (staging / "big").write_bytes(b"x" * 1000)
     print("staging", flush=True)
@@ -333,7 +333,7 @@ def test_stale_staging_dirs_of_dead_writers_are_swept(tmp_path):
 FIRST_USE = """
 import sys
 import dflash_mlx
-from dflash_mlx.registry import smollm2_path
+from dflash_mlx.convert.smollm2 import smollm2_path
 print(smollm2_path(show_progress=False))
 """
 
@@ -360,7 +360,7 @@ def test_two_first_uses_of_the_default_model_at_once(tmp_path, smollm2_dir):
 def test_import_order_is_reported():
     """mlx imported before dflash_mlx: the slow BLAS is named, with the fix, once."""
     script = "import mlx.core\nimport warnings\nwarnings.simplefilter('always')\nimport dflash_mlx\n" \
-             "from dflash_mlx import _blas\nprint(_blas.status())"
+             "from dflash_mlx.io import blas\nprint(blas.status())"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     if not Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3").exists():

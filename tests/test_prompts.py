@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from dflash_mlx.benchmarks import BOXED, SETS, load_prompts
-from dflash_mlx.prompts import builtin_prompts, read_prompts
+from dflash_mlx.bench.prompt_sets import BOXED, SETS, load_prompts
+from dflash_mlx.train.prompts import builtin_prompts, read_prompts
 
 SHINGLE = 8  # words
 

@@ -3,6 +3,7 @@
 import pytest
 
 from dflash_mlx import registry
+from dflash_mlx.io.storage import cache_dir
 
 
 def test_short_names_map_to_published_pairs():
@@ -47,4 +48,4 @@ def test_default_model_says_when_it_has_no_drafter(monkeypatch, tmp_path, smollm
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
-    assert registry.cache_dir() == tmp_path
+    assert cache_dir() == tmp_path

@@ -124,3 +124,18 @@ def test_cli_evaluates_a_drafter_on_held_out_data():
     assert empty.exit_code != 0 and "--prompts" in empty.output and "Traceback" not in empty.output
     neither = runner.invoke(app, ["train", "eval", "--draft", str(DEFAULT_DRAFT)])
     assert neither.exit_code != 0 and "--sets" in neither.output
+
+
+def test_readme_snippet_answers_chat_messages():
+    """The README's Python snippet as a new user runs it: chat messages get the chat
+    template (a raw string would not), token ids from apply_chat_template work alike."""
+    from dflash_mlx import generate, load
+
+    model, tokenizer = load(adaptive=False)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = generate(model, tokenizer, messages, max_tokens=16)
+    assert "Paris" in text
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert generate(model, tokenizer, ids, max_tokens=16) == text
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        generate(model, tokenizer, [{"role": "user"}], max_tokens=4)

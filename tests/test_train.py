@@ -12,32 +12,19 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.convert import convert_draft
-from dflash_mlx.data import Example, read_data
-from dflash_mlx.draft import load_draft
+from dflash_mlx.convert.models import convert_draft
+from dflash_mlx.train.data import Example, read_data
+from dflash_mlx.drafters import load_draft
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.corpus import Window
-from dflash_mlx.train import (
-    PackedContext,
-    RestrictedHead,
-    block_hidden,
-    selector_loss,
-    to_dflash2,
-    TrainConfig,
-    evaluate_tau,
-    fit,
-    grow,
-    label_counts,
-    loss_fn,
-    new_drafter,
-    output_embeddings,
-    pack,
-    position_acceptance,
-    sample_blocks,
-    stratified_layer_ids,
-    target_pass,
-)
+from dflash_mlx.train.corpus import Window
+from dflash_mlx.train.packing import PackedContext, pack, sample_blocks
+from dflash_mlx.train.loss import RestrictedHead, block_hidden, selector_loss, loss_fn
+from dflash_mlx.train.drafter import to_dflash2, grow, new_drafter, output_embeddings
+from dflash_mlx.train.config import TrainConfig, stratified_layer_ids
+from dflash_mlx.train.evaluate import evaluate_tau, position_acceptance
+from dflash_mlx.train.fit import fit
+from dflash_mlx.train.labels import label_counts, target_pass
 from tiny_models import tiny_target
 
 MASK = 96

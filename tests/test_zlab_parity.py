@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx.draft import DraftLoadError, load_draft, save_draft
+from dflash_mlx.drafters import DraftLoadError, load_draft, save_draft
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import random_dflash2, random_draft, tiny_model, tiny_target
 

@@ -3,7 +3,7 @@
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from dflash_mlx.draft import DFlashDraftModel, DraftArgs
+from dflash_mlx.drafters import DFlashDraftModel, DraftArgs
 from dflash_mlx.target import Target
 
 VOCAB = 97

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -32,7 +32,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..target import StandIn, Target, TargetCache, _model_parts
-from . import DistributedError
+from ..distributed import DistributedError
 
 DRIVER = 0
 HEADER = 64  # words of the fixed-size program message; longer programs take a second one

@@ -15,9 +15,9 @@ from typing import Iterator, Optional
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .api import format_prompt
-from .progress import add_task, progress
-from .target import Target
+from ..api import format_prompt
+from ..io.progress import add_task, progress
+from ..target import Target
 
 
 @dataclass

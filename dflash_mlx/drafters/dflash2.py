@@ -19,6 +19,9 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from .config import DraftArgs
+from .dflash import DraftLayer
+
 
 def grouped_causal_conv(x: mx.array, dynamic: mx.array, base: mx.array, group_size: int,
                         block_index: Optional[mx.array] = None) -> mx.array:
@@ -114,3 +117,20 @@ class CandidateSelector(nn.Module):
             token = candidates[p][mx.argmax(scores)].reshape(1)
             path.append(token)
         return mx.concatenate(path)
+
+
+class DFlash2Layer(DraftLayer):
+    """Each sublayer wrapped in a grouped dynamic causal convolution along the block."""
+
+    def __init__(self, args: DraftArgs, layer_type: str):
+        super().__init__(args, layer_type)
+        self.attention_conv = GroupedCausalConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+        self.mlp_conv = GroupedCausalConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+
+    def __call__(self, x: mx.array, context) -> mx.array:
+        index = getattr(context, "block_index", None)  # packed training blocks; decoding has one block
+        y, kernel = self.attention_conv.prepare(self.input_layernorm(x), index)
+        h = x + self.attention_conv.finish(self.self_attn(y, context), kernel, index)
+        y, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h), index)
+        return h + self.mlp_conv.finish(self.mlp(y), kernel, index)
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .storage import cache_dir
+from ..io.storage import cache_dir
 
 BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
 

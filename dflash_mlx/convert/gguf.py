@@ -14,8 +14,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.utils import _get_classes, save_config, save_model
 
-from .storage import staged
-from .progress import add_task, progress
+from ..io.storage import staged
+from ..io.progress import add_task, progress
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16, "native": None}

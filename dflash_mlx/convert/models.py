@@ -12,9 +12,9 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .draft import DFlashDraftModel, DraftLoadError, load_draft, save_draft
-from .progress import add_task, progress
-from .storage import fetch, staged, writable
+from ..drafters import DFlashDraftModel, DraftLoadError, load_draft, save_draft
+from ..io.progress import add_task, progress
+from ..io.storage import fetch, staged, writable
 
 DRAFT_DTYPES = {"bfloat16": mx.bfloat16, "float32": mx.float32}
 Q_BITS = (4, 8)

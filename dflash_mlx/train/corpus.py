@@ -37,7 +37,7 @@ def shingles(text: str, ignore: str = "") -> set[tuple[str, ...]]:
 
 def benchmark_shingles() -> set[tuple[str, ...]]:
     """Every 8-word span of every benchmark prompt set (for overlap checks)."""
-    from .benchmarks import BOXED, SETS, load_prompts
+    from ..bench.prompt_sets import BOXED, SETS, load_prompts
 
     return set().union(*(shingles(p, BOXED) for name in SETS for p in load_prompts(name)))
 

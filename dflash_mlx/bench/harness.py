@@ -19,10 +19,10 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from .api import format_prompt, stream_generate
-from .benchmarks import load_prompts
-from .engine import DFlashModel
-from .progress import add_task, progress
+from ..api import format_prompt, stream_generate
+from .prompt_sets import load_prompts
+from ..engine import DFlashModel
+from ..io.progress import add_task, progress
 
 SAMPLED = {"temp": 0.7, "top_p": 0.95}
 

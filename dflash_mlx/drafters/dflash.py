@@ -1,0 +1,150 @@
+"""DFlash 1 drafter layers: Qwen3-style layers whose queries are the block and whose
+keys/values are the injected target context followed by the block itself.
+
+    ContextKV       the context's keys/values, appended as positions are committed
+    DraftAttention  attention over [context, block], bidirectional inside the block
+    DraftLayer      attention + MLP, pre-norm residual
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..kernels import ContextSpan, block_attention
+from .config import DraftArgs, DraftLoadError
+
+
+class ContextKV:
+    """Keys/values of the injected context, in temporal order, preallocated in
+    steps so appending a few positions per cycle does not copy the whole
+    context.  With a window, entries older than the window are dropped when
+    the buffer is regrown."""
+
+    step = 256
+
+    def __init__(self, window: Optional[int] = None):
+        self.window = window
+        self.keys = self.values = None
+        self.offset = 0  # positions appended so far
+        self._end = 0  # buffer index after the newest entry
+
+    def append(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        if self.keys is None or self._end + n > self.keys.shape[2]:
+            self._regrow(keys, values, n)
+        self.keys[..., self._end : self._end + n, :] = keys
+        self.values[..., self._end : self._end + n, :] = values
+        self._end += n
+        self.offset += n
+
+    def _regrow(self, keys, values, n):
+        kept = self.span()
+        length = kept.length if kept else 0
+        capacity = ((length + n + self.step - 1) // self.step + 1) * self.step
+        B, H, _, D = keys.shape
+        new_k = mx.zeros((B, H, capacity, D), keys.dtype)
+        new_v = mx.zeros((B, H, capacity, values.shape[3]), values.dtype)
+        if length:
+            live = slice(kept.start, kept.start + length)
+            new_k[..., :length, :] = kept.keys[..., live, :]
+            new_v[..., :length, :] = kept.values[..., live, :]
+        self.keys, self.values, self._end = new_k, new_v, length
+
+    def trim(self, n: int) -> None:
+        """Forget the newest `n` entries (a context without a window only)."""
+        if self.window is not None:
+            raise ValueError("a windowed drafter context cannot be cut back")
+        self._end -= n
+        self.offset -= n
+
+    def span(self) -> Optional[ContextSpan]:
+        """The live entries (the last `window` with a window), read in place by attention."""
+        if self.keys is None:
+            return None
+        start = 0 if self.window is None else max(0, self._end - self.window)
+        return ContextSpan(self.keys, self.values, start, self._end - start)
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    # the attention-context protocol DraftAttention calls
+    @property
+    def position(self) -> int:
+        return self.offset  # the block starts right after the context
+
+    def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
+        return block_attention(queries, keys, values, self.span(), scale=attn.scale,
+                               causal=attn.causal, window=attn.window)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, args: DraftArgs, layer_type: str):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        sliding = layer_type == "sliding_attention"
+        self.window = args.sliding_window if sliding else None
+        # z-lab's reference: sliding layers are causal inside the block unless the config says otherwise
+        self.causal = sliding if args.is_causal is None else bool(args.is_causal)
+        dim, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        try:
+            self.rope = initialize_rope(
+                self.head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise DraftLoadError(f"drafter config: RoPE {args.rope_scaling} is not supported ({e})") from None
+
+    def _rope(self, x: mx.array, position) -> mx.array:
+        """RoPE at `position`: an int offset for consecutive tokens, or an array with
+        one position per token (packed training blocks)."""
+        if isinstance(position, int):
+            return self.rope(x, offset=position)
+        return self.rope(x.swapaxes(0, 2), offset=position).swapaxes(0, 2)
+
+    def keys_values(self, x: mx.array, position) -> tuple[mx.array, mx.array]:
+        B, L, _ = x.shape
+        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self._rope(keys, position), values
+
+    def add_context(self, context: mx.array, cache: "ContextKV"):
+        cache.append(*self.keys_values(context, cache.offset))
+
+    def __call__(self, x: mx.array, context) -> mx.array:
+        """Block queries attend to the injected context and to the whole block.
+
+        `context` is a ContextKV (decoding) or a packed training context; both
+        give the block's position(s) and attend(attn, queries, keys, values)."""
+        B, L, _ = x.shape
+        position = context.position
+        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        queries = self._rope(queries, position)
+        keys, values = self.keys_values(x, position)
+        out = context.attend(self, queries, keys, values)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, args: DraftArgs, layer_type: str):
+        super().__init__()
+        self.self_attn = DraftAttention(args, layer_type)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, context) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), context)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
