@@ -1,23 +1,28 @@
-"""Adaptive verify width: pick the block size that commits the most tokens per second.
+"""Adaptive verify width: each cycle, the proposal and width that commit the most tokens per second.
 
 Verifying L tokens is not free when compute is the limit (on a CPU, or a big
 model on a small Mac): a 16-token target pass can cost several 1-token passes.
-With the measured cost curve T(L) of the target (plus one drafter pass) and an
-online estimate of how often the drafter's k-th token is accepted, each cycle
-uses the width L maximising
+With the measured cost curve T(L) of the target (plus one drafter pass when the
+drafter proposes) and an online estimate of how often a source's k-th token is
+accepted, each cycle uses the plan maximising
 
     E[committed | L] / T(L),   E[committed | L] = 1 + sum_{k<L} prod_{j<=k} a_j
 
+over plain decoding (L = 1), the drafter at L = 2 .. block size, and the prompt
+lookup's proposal (lookup.py, no drafter pass) at L = 2 .. its length + 1.
+
+The acceptance estimates are per generation: each starts from a prior, the
+long-run estimate of that source over everything decoded so far, and follows the
+evidence of the last cycles (every cycle ages it, so it drifts back to the prior
+when a source has not been tried lately, and is tried again when the prior says
+it pays).  A drafter the prior says never pays is still tried once every
+`explore_every` plain cycles: a prompt can be easier than the average.
+
 The curve is measured in isolation; a real drafting cycle also syncs, rolls
 back and breaks the plain-step pipeline.  So the engine reports each cycle's
-wall time and the chooser scales drafting costs by how much more (relative to
-plain cycles) they really take than the curve says.
-
-L = 1 is plain decoding.  When it wins, the engine decodes plainly but still
-drafts now and then so the estimate can recover; probes that keep failing are
-spaced further apart (16, 32, ... up to 128 cycles), as each costs more than a
-plain step.  When sampling, every verified and drafted position also costs a
-sampling distribution (a sort over the vocabulary for top-p), measured too.
+wall time and the chooser scales each source's costs by how much more (relative
+to plain cycles) they really take than the curve says.  When sampling, every
+verified and drafted position also costs a sampling distribution, measured too.
 """
 
 import json
@@ -31,8 +36,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from .io.progress import console
-from .sampling import Noise, SamplingParams, choose
 from .io.storage import atomic_write
+from .sampling import Noise, SamplingParams, choose
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SAMPLE_ROWS = 8
@@ -85,21 +90,24 @@ class CostModel:
             return 0.0
         return self.filtered_row if params.top_p < 1.0 or params.top_k > 0 else self.sample_row
 
-    def cycle(self, L: int, params: Optional[SamplingParams] = None) -> float:
-        """One cycle of width L: verify, draft, and a distribution per target and drafter position."""
-        drafting = self.draft_seconds + self.draft_per_token * (L - 1) if L > 1 else 0.0
+    def cycle(self, L: int, params: Optional[SamplingParams] = None, drafted: bool = True) -> float:
+        """One cycle of width L: verify, a distribution per verified position, and, when the
+        drafter proposed (`drafted`), its pass and a distribution per drafted position."""
+        if L == 1 or not drafted:
+            return self.verify(L) + L * self.row(params)
+        drafting = self.draft_seconds + self.draft_per_token * (L - 1)
         return self.verify(L) + drafting + (2 * L - 1) * self.row(params)
 
 
 @dataclass
 class AcceptanceEstimate:
     """Per-position conditional acceptance a_k = P(token k accepted | 1..k-1 accepted),
-    as exponentially decayed counts.  Each position's prior is the estimate of the
-    position before it, so positions not drafted lately inherit what was seen last
-    (the width can grow in one step when drafts are being fully accepted)."""
+    as exponentially aged counts on top of a prior (a rate, or one per position).  A
+    position with no prior of its own inherits the estimate of the position before
+    it, so the width can grow in one step when drafts are being fully accepted."""
 
     max_width: int
-    prior: float = 0.5
+    prior: float | list = 0.5  # one rate, or one per position (None: inherit the position before)
     prior_weight: float = 2.0
     decay: float = 0.98
     trials: list = field(default_factory=list)
@@ -110,18 +118,27 @@ class AcceptanceEstimate:
         self.hits = self.hits or [0.0] * self.max_width
 
     def rates(self) -> list[float]:
-        rates, previous = [], self.prior
-        for t, h in zip(self.trials, self.hits):
-            previous = (h + previous * self.prior_weight) / (t + self.prior_weight)
+        priors = self.prior if isinstance(self.prior, list) else [self.prior]
+        rates, previous = [], priors[0]
+        for k, (t, h) in enumerate(zip(self.trials, self.hits)):
+            own = priors[k] if k < len(priors) else None
+            previous = (h + (previous if own is None else own) * self.prior_weight) / (t + self.prior_weight)
             rates.append(previous)
         return rates
 
-    def observe(self, width: int, accepted: int) -> None:
-        """A cycle that drafted width-1 tokens and had `accepted` of them accepted."""
-        if width < 2:
-            return
+    def informed_rates(self, min_trials: float = 1.0) -> list[Optional[float]]:
+        """Rates of the positions with evidence behind them (None elsewhere): a prior that
+        lets positions never tried inherit the estimate of the position before them."""
+        rates = self.rates()
+        return [r if t >= min_trials else None for r, t in zip(rates, self.trials)]
+
+    def age(self) -> None:
+        """One cycle has passed: older evidence counts for less."""
         self.trials = [t * self.decay for t in self.trials]
         self.hits = [h * self.decay for h in self.hits]
+
+    def observe(self, width: int, accepted: int) -> None:
+        """A cycle that proposed width-1 tokens and had `accepted` of them accepted."""
         for k in range(min(accepted + 1, width - 1)):  # positions actually tested
             self.trials[k] += 1
             self.hits[k] += k < accepted
@@ -134,54 +151,97 @@ class AcceptanceEstimate:
         return total
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What one cycle does: verify `width` tokens, the last committed one plus width - 1
+    proposed by `source` ("dflash": the drafter, "lookup": the prompt lookup's `tokens`);
+    width 1 is a plain decoding step."""
+
+    width: int = 1
+    source: str = "plain"
+    tokens: tuple = ()
+
+
+PLAIN = Plan()
+SOURCES = ("dflash", "lookup")
+
+
 class WidthChooser:
-    def __init__(self, cost: CostModel, max_width: int, probe_every: int = 16, prior: float = 0.5,
-                 max_probe_every: int = 128):
+    def __init__(self, cost: CostModel, max_width: int, prior: float = 0.5, explore_every: int = 64,
+                 long_run_decay: float = 0.999):
         self.cost = cost
         self.max_width = max_width
-        self.acceptance = AcceptanceEstimate(max_width, prior=prior)
-        self.probe_every = probe_every
-        self.max_probe_every = max_probe_every
-        self._plain_run = 0
-        self._probe_interval = probe_every
-        self._time_ratio = {False: 1.0, True: 1.0}  # measured / modelled cycle time: plain, drafting
+        self.explore_every = explore_every
+        self.long_run = {s: AcceptanceEstimate(max_width, prior=prior, decay=long_run_decay) for s in SOURCES}
+        self.acceptance: dict[str, AcceptanceEstimate] = {}
+        self._time_ratio = {"plain": 1.0, "dflash": 1.0, "lookup": 1.0}  # measured / modelled cycle time
+        self._since_draft = 0
+        self.start()
 
-    @property
-    def drafting_penalty(self) -> float:
-        """How much costlier drafting cycles really are, relative to plain ones, than modelled."""
-        return self._time_ratio[True] / self._time_ratio[False]
+    def start(self) -> None:
+        """A new generation: each source's estimate starts from its long-run rates."""
+        self.acceptance = {s: AcceptanceEstimate(e.max_width, prior=[e.rates()[0]] + e.informed_rates()[1:])
+                           for s, e in self.long_run.items()}
+        self._since_draft = 0
 
-    def throughput(self, L: int, params: Optional[SamplingParams] = None) -> float:
-        seconds = self.cost.cycle(L, params) * (self.drafting_penalty if L > 1 else 1.0)
-        return self.acceptance.expected_committed(L) / seconds
+    def penalty(self, source: str) -> float:
+        """How much costlier `source`'s cycles really are, relative to plain ones, than modelled."""
+        return self._time_ratio[source] / self._time_ratio["plain"]
 
-    def best(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None) -> int:
-        widths = range(1, min(self.max_width, limit or self.max_width) + 1)
-        return max(widths, key=lambda L: self.throughput(L, params))
+    def throughput(self, plan: Plan, params: Optional[SamplingParams] = None) -> float:
+        expected = self.acceptance[plan.source].expected_committed(plan.width) if plan.width > 1 else 1.0
+        return expected / self.seconds(plan, params)
 
-    def choose(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None) -> int:
-        """The width for the next cycle (1 = plain); `limit` caps it (tokens left)."""
-        width = self.best(limit, params)
-        if width > 1:
-            self._plain_run, self._probe_interval = 0, self.probe_every
-            return width
-        self._plain_run += 1
-        if self._plain_run < self._probe_interval or (limit is not None and limit < 2):
-            return 1  # not yet, or no room: a probe of 2 would commit past the last token
-        # look again, the text may have become predictable; if it has not, wait longer next time
-        self._plain_run = 0
-        self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-        return min(self.max_width, limit or self.max_width, 4)
+    def seconds(self, plan: Plan, params: Optional[SamplingParams] = None) -> float:
+        """The expected wall time of `plan`'s cycle."""
+        if plan.width == 1:
+            return self.cost.cycle(1, params)
+        return self.cost.cycle(plan.width, params, drafted=plan.source == "dflash") * self.penalty(plan.source)
 
-    def observe(self, width: int, accepted: int) -> None:
-        self.acceptance.observe(width, accepted)
+    def candidates(self, limit: Optional[int], lookup: Sequence[int]) -> list[Plan]:
+        most = min(self.max_width, limit or self.max_width)
+        found = [PLAIN] + [Plan(L, "dflash") for L in range(2, most + 1)]
+        longest = min(len(lookup) + 1, limit or len(lookup) + 1, self.max_width)
+        return found + [Plan(L, "lookup", tuple(lookup[: L - 1])) for L in range(2, longest + 1)]
 
-    def observe_seconds(self, width: int, seconds: float, params: Optional[SamplingParams] = None,
-                        weight: float = 0.1) -> None:
-        """The wall time of a cycle just run (an exponential average per kind of cycle)."""
-        drafting = width > 1
-        ratio = seconds / self.cost.cycle(width, params)
-        self._time_ratio[drafting] += weight * (ratio - self._time_ratio[drafting])
+    def best(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None,
+             lookup: Sequence[int] = ()) -> Plan:
+        # every cycle runs this: each source's expected commits are summed once, not per width
+        expected = {"plain": [1.0, 1.0]}
+        for source, estimate in self.acceptance.items():
+            run, sums = 1.0, [1.0, 1.0]
+            for a in estimate.rates():
+                run *= a
+                sums.append(sums[-1] + run)
+            expected[source] = sums  # [L] = E[committed | width L]
+        return max(self.candidates(limit, lookup),
+                   key=lambda plan: expected[plan.source][plan.width] / self.seconds(plan, params))
+
+    def choose(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None,
+               lookup: Sequence[int] = ()) -> Plan:
+        """The plan for the next cycle; `limit` caps its width (tokens left), `lookup` is
+        what the prompt lookup proposes now (may be empty)."""
+        plan = self.best(limit, params, lookup)
+        if plan.width > 1:
+            self._since_draft = 0
+            return plan
+        self._since_draft += 1
+        if self._since_draft < self.explore_every or (limit is not None and limit < 2):
+            return PLAIN  # not yet, or no room: a probe of 2 would commit past the last token
+        self._since_draft = 0  # look again: this prompt may suit the drafter better than the average
+        return Plan(2, "dflash")
+
+    def record(self, plan: Plan, accepted: int, seconds: float, params: Optional[SamplingParams] = None,
+               weight: float = 0.1) -> None:
+        """A cycle just run: its acceptance (when it proposed) and its wall time."""
+        for estimate in self.acceptance.values():
+            estimate.age()
+        if plan.width > 1:
+            self.acceptance[plan.source].observe(plan.width, accepted)
+            self.long_run[plan.source].age()
+            self.long_run[plan.source].observe(plan.width, accepted)
+        ratio = seconds / self.cost.cycle(plan.width, params, drafted=plan.source == "dflash")
+        self._time_ratio[plan.source] += weight * (ratio - self._time_ratio[plan.source])
 
 
 # ---------------------------------------------------------------- measuring the cost curve

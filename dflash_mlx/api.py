@@ -37,6 +37,7 @@ class GenerationResponse:
     acceptance_histogram: list[int]  # [k-1] = cycles that committed k tokens
     block_size: int
     widths: list[int]  # verify width of each cycle so far (1 = plain decoding)
+    sources: list[str]  # what proposed each cycle so far: "plain", "dflash" or "lookup" (prompt lookup)
     adaptive: bool = False  # the width was chosen per cycle
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache
 
@@ -306,6 +307,7 @@ def stream_generate(
             acceptance_histogram=stats.histogram,
             block_size=stats.block_size,
             widths=list(stats.widths),
+            sources=list(stats.sources),
             adaptive=model.chooser is not None and model.draft is not None and block_size is None,
             cached_tokens=stats.cached_tokens,
         )
@@ -369,9 +371,9 @@ def format_stats(r: GenerationResponse, model: DFlashModel) -> str:
         hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(r.acceptance_histogram) if n)
         lines.append(f"DFlash: block {r.block_size}, tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}")
         if r.adaptive and r.widths:
-            plain = sum(w == 1 for w in r.widths)
-            lines.append(f"Adaptive width: mean {sum(r.widths) / len(r.widths):.1f}; plain decoding in "
-                         f"{plain}/{len(r.widths)} cycles (predicted faster than drafting there)")
+            kinds = {s: r.sources.count(s) for s in ("dflash", "lookup", "plain")}
+            lines.append(f"Adaptive: mean width {sum(r.widths) / len(r.widths):.1f}; cycles: {kinds['dflash']} drafted, "
+                         f"{kinds['lookup']} prompt lookup, {kinds['plain']} plain (predicted fastest there)")
     else:
         lines.append(f"DFlash: off ({model.draft_note or 'no drafter'}), plain target decoding")
     return "\n".join(lines)

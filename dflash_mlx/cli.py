@@ -246,7 +246,7 @@ def make_data(
 @train_app.command("fit")
 @user_errors
 def fit(
-    data: str = typer.Option(..., "--data", "-d", help="Data dir from `train make-data`."),
+    data: str = typer.Option(..., "--data", "-d", help="Data dir from `train make-data` (comma-separated for several; the held-out examples are the first dir's last)."),
     out: str = typer.Option(..., "--out", "-o", help="Drafter dir to write (resumes from its checkpoint)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
     block_size: int = typer.Option(16, "--block-size"),
@@ -274,7 +274,7 @@ def fit(
     """Train a drafter on self-distillation data (the target stays frozen)."""
     from .api import load
     from .train.corpus import benchmark_shingles, text_windows
-    from .train.data import read_data, target_fingerprint
+    from .train.data import read_datasets, target_fingerprint
     from .io.progress import console
     from .io.storage import writable
     from .train.config import TrainConfig
@@ -296,7 +296,7 @@ def fit(
                       init_from_target=not no_init_from_target, init_from=init_from, seed=seed)
     writable(Path(out))  # before the long work, not at its first checkpoint
     pair, tokenizer = load(model, use_draft=False)
-    examples = read_data(data, target_fingerprint(pair.target, tokenizer))
+    examples = read_datasets(data, target_fingerprint(pair.target, tokenizer))
     text = []
     resumed = None if fresh else checkpoint_config(out)  # a resumed run keeps its own recipe
     if (resumed or {}).get("text_fraction", text_fraction) > 0:
@@ -311,7 +311,7 @@ def fit(
 @user_errors
 def evaluate(
     draft: str = typer.Option(..., "--draft", help="Drafter dir to evaluate."),
-    data: Optional[str] = typer.Option(None, "--data", "-d", help="Data dir: its last --prompts examples are the held-out set."),
+    data: Optional[str] = typer.Option(None, "--data", "-d", help="Data dir(s), as in fit: the first dir's last --prompts examples are the held-out set."),
     sets: Optional[str] = typer.Option(None, "--sets", help="Benchmark prompt sets instead (comma-separated: gsm8k, humaneval, mtbench, ...)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
     prompts: int = typer.Option(8, "--prompts", help="Held-out examples (as in fit), or prompts per set."),
@@ -321,7 +321,7 @@ def evaluate(
     """Tau of a drafter (greedy, the real decode loop, fixed width) and the acceptance
     rate of each block position, on held-out data or benchmark prompts."""
     from .api import format_prompt, load
-    from .train.data import read_data, target_fingerprint
+    from .train.data import read_datasets, target_fingerprint
     from .train.evaluate import committed_lengths, position_acceptance, split_held_out
 
     if prompts <= 0 or max_tokens <= 0:
@@ -336,7 +336,7 @@ def evaluate(
         groups = {name: [format_prompt(tokenizer, p) for p in load_prompts(name.strip(), prompts)]
                   for name in sets.split(",") if name.strip()}
     else:
-        held_out, _ = split_held_out(read_data(data, target_fingerprint(pair.target, tokenizer)), prompts)
+        held_out, _ = split_held_out(read_datasets(data, target_fingerprint(pair.target, tokenizer)), prompts)
         groups = {"held-out": [e.prompt_ids for e in held_out]}
     for name, group in groups.items():
         lengths = committed_lengths(pair.target, pair.draft, group, max_tokens, width)

@@ -8,7 +8,9 @@
       roll back target caches to the n+1 tokens kept; their features go to the drafter
 
 Without a drafter the same loop runs with w = 1: plain target decoding.  With a
-WidthChooser (adaptive.py) and no fixed block size, w is chosen every cycle.
+WidthChooser (adaptive.py) and no fixed block size, each cycle's plan is chosen:
+plain, the drafter at width w, or the prompt lookup's proposal (lookup.py), which
+is verified the same way and costs no drafter pass.
 Consecutive plain cycles are pipelined (the next pass is queued before the
 current token is read), as in mlx-lm's generate_step.  The drafter reads the
 target's features only when it drafts, so they are injected then, all the
@@ -23,8 +25,9 @@ from typing import Iterator, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .adaptive import WidthChooser
+from .adaptive import PLAIN, Plan, WidthChooser
 from .drafters import DFlashDraftModel
+from .lookup import PromptLookup
 from .prompt_cache import PromptCache
 from .sampling import Noise, SamplingParams, accept, choose, new_seed
 from .target import Target, TargetCache
@@ -53,6 +56,7 @@ class DecodeStats:
     block_size: int = 1
     accepted_lengths: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # verify width of each cycle (1 = plain)
+    sources: list[str] = field(default_factory=list)  # what proposed each cycle: plain, dflash or lookup
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     cached_tokens: int = 0  # prompt tokens restored from a prompt cache instead of prefilled
@@ -69,6 +73,10 @@ class DecodeStats:
     @property
     def plain_cycles(self) -> int:
         return sum(w == 1 for w in self.widths)
+
+    @property
+    def source_counts(self) -> dict[str, int]:
+        return dict(Counter(self.sources))
 
     @property
     def histogram(self) -> list[int]:
@@ -192,6 +200,9 @@ def decode(
     tcache = model.target.make_cache()
     context = Context(model)
     position_noise = None if params.greedy else Noise(new_seed() if seed is None else seed, model.target.vocab_size)
+    lookup = PromptLookup(prompt.tolist()) if adaptive else None
+    if adaptive:
+        model.chooser.start()
 
     def noise(start: int, count: int) -> Optional[mx.array]:
         return None if position_noise is None else position_noise.at(start, count)
@@ -199,53 +210,61 @@ def decode(
     def step_noise(position: int) -> Optional[mx.array]:
         return None if position_noise is None else position_noise.at(position, 1)[0]
 
+    def plan_for(limit: int) -> Plan:
+        if adaptive:
+            return model.chooser.choose(limit, params, lookup.propose(limit - 1))
+        return Plan(min(width, limit), "dflash") if min(width, limit) > 1 else PLAIN
+
     tic = time.perf_counter()
     logits = prefill_prompt(model, prompt, tcache, context, prompt_cache, stats)
     token = choose(logits, params, step_noise(0))
     token = mx.array(token.item())
     stats.prompt_seconds = time.perf_counter() - tic
     tic = time.perf_counter()
+    if lookup is not None:
+        lookup.extend([token.item()])
     yield Step([token.item()], 0)
     produced = 1
 
-    def pick_width(limit: int) -> int:
-        return model.chooser.choose(limit, params) if adaptive else min(width, limit)
-
-    queued, decided = None, None  # a plain step already in flight; a width chosen ahead
+    queued, decided = None, None  # a plain step already in flight; a plan chosen ahead
     while produced < max_tokens:
         started = time.perf_counter()
         left = max_tokens - produced
-        w, decided = decided or pick_width(left), None
-        if w == 1:
+        plan, decided = decided or plan_for(left), None
+        if plan.width == 1:
             next_token = queued if queued is not None else plain_step(model, token, tcache, context, params,
                                                                       step_noise(produced))
-            # A plain cycle teaches the chooser nothing, so the next width is known
-            # before this token is: queue the next plain step now, and the graph of
-            # step t+1 is built while step t computes.
+            # A plain cycle teaches the chooser nothing, so the next plan is known before
+            # this token is (unless the prompt lookup matches now, and may propose after
+            # it): queue the next plain step now, and the graph of step t+1 is built while
+            # step t computes.
             queued = None
-            if left > 1:
-                decided = pick_width(left - 1)
-                if decided == 1:
+            if left > 1 and not (lookup is not None and lookup.propose(1)):
+                decided = plan_for(left - 1)
+                if decided.width == 1:
                     queued = plain_step(model, next_token, tcache, context, params, step_noise(produced + 1))
                     mx.async_eval(queued)
             n, committed = 0, [next_token.item()]
         else:
-            block_noise = noise(produced, w)
-            proposal = draft(model, token, context, w, params, block_noise)
+            block_noise = noise(produced, plan.width)
+            if plan.source == "lookup":
+                proposal = mx.array(plan.tokens, dtype=mx.int32)
+            else:
+                proposal = draft(model, token, context, plan.width, params, block_noise)
             logits, features = verify(model, token, proposal, tcache)
             n, next_token = accept(proposal, choose(logits, params, block_noise))
             mx.eval(n, next_token, proposal)
             n = n.item()
-            if adaptive:
-                model.chooser.observe(w, n)
             tcache.rollback(n + 1)
             context.add(features[:, : n + 1])
             committed = proposal[:n].tolist() + [next_token.item()]
         if adaptive:
-            model.chooser.observe_seconds(w, time.perf_counter() - started, params)
+            model.chooser.record(plan, n, time.perf_counter() - started, params)
+            lookup.extend(committed)
         token = next_token
         produced += len(committed)
         stats.accepted_lengths.append(len(committed))
-        stats.widths.append(w)
+        stats.widths.append(plan.width)
+        stats.sources.append(plan.source)
         stats.decode_seconds = time.perf_counter() - tic
         yield Step(committed, n)

@@ -1,6 +1,6 @@
-"""The adaptive verify width: picks the best block size from a cost curve and an
-acceptance profile, falls back to plain decoding when drafting cannot pay, and
-keeps decoding lossless."""
+"""The adaptive plan: picks the best source (drafter or prompt lookup) and width from a
+cost curve and acceptance profiles, falls back to plain decoding when proposing cannot
+pay, and keeps decoding lossless."""
 
 import random
 import time
@@ -9,17 +9,17 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.adaptive import AcceptanceEstimate, CostModel, WidthChooser, measure_costs, monotone
+from dflash_mlx.adaptive import PLAIN, AcceptanceEstimate, CostModel, Plan, WidthChooser, measure_costs, monotone
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import oracle_draft, random_draft, tiny_target
 
 
-def chooser_with(rates, cost, max_width=16):
-    chooser = WidthChooser(cost, max_width)
+def chooser_with(rates, cost, max_width=16, source="dflash", **kwargs):
+    chooser = WidthChooser(cost, max_width, **kwargs)
     # a long history with exactly these conditional acceptance rates
-    chooser.acceptance.trials = [1e6] * max_width
-    chooser.acceptance.hits = [r * 1e6 for r in rates]
+    chooser.acceptance[source].trials = [1e6] * max_width
+    chooser.acceptance[source].hits = [r * 1e6 for r in rates]
     return chooser
 
 
@@ -33,12 +33,13 @@ def test_cost_model_interpolates_and_extrapolates():
     assert cost.verify(3) == pytest.approx(2.5)
     assert cost.verify(6) == pytest.approx(4.0)
     assert cost.cycle(1) == pytest.approx(1.0) and cost.cycle(2) == pytest.approx(2.5)
+    assert cost.cycle(2, drafted=False) == pytest.approx(2.0)  # a lookup proposal costs no drafter pass
     assert cost.describe().startswith("verify 1/2/4 tokens = 1000/2000/3000 ms; drafter 500.0 ms")
 
 
 def test_cheap_verification_and_good_drafts_use_the_whole_block():
     flat = CostModel([1, 16], [0.1, 0.1], 0.01)
-    assert chooser_with([0.9] * 16, flat).choose() == 16
+    assert chooser_with([0.9] * 16, flat).choose() == Plan(16, "dflash")
 
 
 def test_matches_brute_force_on_random_profiles():
@@ -56,28 +57,54 @@ def test_matches_brute_force_on_random_profiles():
                 expected += run
             return expected / cost.cycle(L)
 
-        assert chooser_with(rates, cost).best() == max(range(1, 17), key=value)
+        assert chooser_with(rates, cost).best().width == max(range(1, 17), key=value)
 
 
-def test_falls_back_to_plain_decoding_and_probes_now_and_then():
-    chooser = chooser_with([0.05] * 16, cpu_like())
-    widths = [chooser.choose() for _ in range(16 + 32 + 64 + 128 + 128)]
-    probes = [i + 1 for i, w in enumerate(widths) if w > 1]
-    # probes that change nothing are spaced further apart, up to every 128 cycles
-    assert probes == [16, 16 + 32, 16 + 32 + 64, 16 + 32 + 64 + 128, 16 + 32 + 64 + 128 + 128]
-    # once drafting pays again, the spacing is back to the start
-    chooser.acceptance.hits = [0.9e6] * 16
-    assert chooser.choose() > 1
-    chooser.acceptance.hits = [0.05e6] * 16
-    assert [chooser.choose() for _ in range(16)].index(4) == 15
+def test_falls_back_to_plain_decoding_and_explores_now_and_then():
+    chooser = chooser_with([0.05] * 16, cpu_like(), explore_every=64)
+    plans = [chooser.choose() for _ in range(64 * 3)]
+    # a drafter that does not pay is still tried at width 2 once every 64 plain cycles
+    assert [i + 1 for i, p in enumerate(plans) if p != PLAIN] == [64, 128, 192]
+    assert {p for p in plans if p != PLAIN} == {Plan(2, "dflash")}
     # a moderately good drafter on the same machine gets a middle width
-    assert 2 < chooser_with([0.7] * 16, cpu_like()).choose() < 16
-    # the number of tokens left caps the width, probes included (the server load test
+    assert 2 < chooser_with([0.7] * 16, cpu_like()).choose().width < 16
+    # the number of tokens left caps the width, explorations included (the server load test
     # once got 9 tokens for max_tokens 8 from a probe of 2 with one token left)
-    assert chooser_with([0.99] * 16, cpu_like()).choose(limit=3) == 3
-    probing = chooser_with([0.05] * 16, cpu_like())
-    assert [probing.choose(limit=1) for _ in range(300)] == [1] * 300
-    assert max(probing.choose(limit=2) for _ in range(300)) == 2
+    assert chooser_with([0.99] * 16, cpu_like()).choose(limit=3).width == 3
+    exploring = chooser_with([0.05] * 16, cpu_like(), explore_every=4)
+    assert [exploring.choose(limit=1) for _ in range(300)] == [PLAIN] * 300
+    assert max(exploring.choose(limit=2).width for _ in range(300)) == 2
+
+
+def test_evidence_decides_per_generation_from_a_long_run_prior():
+    """Each generation starts from what the drafter did so far; within it, the last
+    cycles' evidence moves the estimate, and old evidence fades back to the prior."""
+    cost = cpu_like()
+    chooser = WidthChooser(cost, 16, prior=0.5)
+    for i in range(300):  # a long history of a drafter right 70% of the time at position 1
+        chooser.record(Plan(2, "dflash"), 1 if i % 10 < 7 else 0, cost.cycle(2))
+    chooser.start()
+    assert chooser.acceptance["dflash"].rates()[0] == pytest.approx(0.7, abs=0.03)
+    assert chooser.best().source == "dflash"
+    for _ in range(8):  # this prompt: every draft rejected
+        chooser.record(Plan(2, "dflash"), 0, cost.cycle(2))
+    assert chooser.best() == PLAIN
+    for _ in range(200):  # plain cycles: the evidence fades, the prior says try again
+        chooser.record(PLAIN, 0, cost.cycle(1))
+    assert chooser.best().source == "dflash"
+
+
+def test_prompt_lookup_is_chosen_when_it_pays():
+    cost = cpu_like()
+    chooser = chooser_with([0.05] * 16, cost)  # a drafter that never pays
+    plan = chooser.best(lookup=[7, 8, 9])  # prior 0.5, no drafter pass
+    assert plan.source == "lookup" and plan.tokens == (7, 8, 9)[: plan.width - 1]
+    chooser.acceptance["lookup"].trials = [1e6] * 16
+    chooser.acceptance["lookup"].hits = [0.01e6] * 16
+    assert chooser.best(lookup=[7, 8, 9]) == PLAIN  # this text does not repeat what came before
+    fluent = chooser_with([0.99] * 16, cost, source="lookup")
+    assert fluent.best(lookup=list(range(30))) == Plan(16, "lookup", tuple(range(15)))
+    assert fluent.best(limit=5, lookup=list(range(30))).width == 5
 
 
 def test_measured_cycle_times_correct_the_cost_model():
@@ -85,18 +112,18 @@ def test_measured_cycle_times_correct_the_cost_model():
     pipeline) stops paying; plain cycles slower than modelled make drafting look better."""
     cost = cpu_like()
     chooser = chooser_with([0.45] * 16, cost)
-    assert chooser.best() > 1
+    assert chooser.best().width > 1
     for _ in range(60):
-        chooser.observe_seconds(1, cost.cycle(1))
-        chooser.observe_seconds(4, 1.5 * cost.cycle(4))
-    assert chooser.drafting_penalty == pytest.approx(1.5, rel=0.01)
-    assert chooser.best() == 1
+        chooser.record(PLAIN, 0, cost.cycle(1))
+        chooser.record(Plan(4, "dflash"), 1, 1.5 * cost.cycle(4))
+    assert chooser.penalty("dflash") == pytest.approx(1.5, rel=0.01)
+    assert chooser.best() == PLAIN
     chooser = chooser_with([0.15] * 16, cost)
-    assert chooser.best() == 1
+    assert chooser.best() == PLAIN
     for _ in range(60):
-        chooser.observe_seconds(1, 1.3 * cost.cycle(1))
-        chooser.observe_seconds(2, cost.cycle(2))
-    assert chooser.best() > 1
+        chooser.record(PLAIN, 0, 1.3 * cost.cycle(1))
+        chooser.record(Plan(2, "dflash"), 0, cost.cycle(2))
+    assert chooser.best().width > 1
 
 
 def test_sampling_cost_counts_every_verified_and_drafted_position():
@@ -109,7 +136,7 @@ def test_sampling_cost_counts_every_verified_and_drafted_position():
     assert cost.cycle(1, temp_only) == pytest.approx(cost.cycle(1) + 0.001)
     assert cost.cycle(8, SamplingParams()) == cost.cycle(8)
     chooser = chooser_with([0.5] * 16, cost)
-    assert chooser.best() > 1 and chooser.best(params=top_p) == 1
+    assert chooser.best().width > 1 and chooser.best(params=top_p) == PLAIN
 
 
 def test_acceptance_estimate_learns_conditional_rates():
@@ -120,6 +147,7 @@ def test_acceptance_estimate_learns_conditional_rates():
         accepted = 0
         while accepted < 7 and rng.random() < true[accepted]:
             accepted += 1
+        estimate.age()
         estimate.observe(8, accepted)
     for got, want in zip(estimate.rates()[:4], true[:4]):
         assert got == pytest.approx(want, abs=0.05)
@@ -161,8 +189,8 @@ def test_drafter_cost_grows_with_the_block():
     drafter cost would hide the narrow widths that pay."""
     per_token = CostModel([1, 16], [1.0, 1.0], draft_seconds=0.05, draft_per_token=0.1)
     flat = CostModel([1, 16], [1.0, 1.0], draft_seconds=0.05 + 0.1 * 15)
-    assert WidthChooser(per_token, 16, prior=0.5).best() in (2, 3, 4)  # 3: 1.75 tokens / 1.25 s
-    assert WidthChooser(flat, 16, prior=0.5).best() == 1
+    assert WidthChooser(per_token, 16, prior=0.5).best().width in (2, 3, 4)  # 3: 1.75 tokens / 1.25 s
+    assert WidthChooser(flat, 16, prior=0.5).best() == PLAIN
 
 
 def test_monotone_fit_removes_noise_spikes():

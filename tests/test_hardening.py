@@ -188,9 +188,9 @@ def test_fixed_width_stats_do_not_claim_adaptivity(tiny_dirs):
     model, tokenizer = load(str(model_dir), str(draft_dir))
     assert model.chooser is not None
     fixed = list(stream_generate(model, tokenizer, "hello", max_tokens=10, block_size=3))[-1]
-    assert "Adaptive width" not in format_stats(fixed, model)
+    assert "Adaptive:" not in format_stats(fixed, model)
     adaptive = list(stream_generate(model, tokenizer, "hello", max_tokens=10))[-1]
-    assert "Adaptive width" in format_stats(adaptive, model)
+    assert "Adaptive:" in format_stats(adaptive, model)
 
 
 def test_stop_may_be_a_single_string(tiny_pair):

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx.convert.models import convert_draft
-from dflash_mlx.train.data import Example, read_data
+from dflash_mlx.train.data import Example, read_data, read_datasets
 from dflash_mlx.drafters import load_draft
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
@@ -22,7 +22,7 @@ from dflash_mlx.train.packing import PackedContext, pack, sample_blocks
 from dflash_mlx.train.loss import RestrictedHead, block_hidden, selector_loss, loss_fn
 from dflash_mlx.train.drafter import to_dflash2, grow, new_drafter, output_embeddings
 from dflash_mlx.train.config import TrainConfig, stratified_layer_ids
-from dflash_mlx.train.evaluate import evaluate_tau, position_acceptance
+from dflash_mlx.train.evaluate import evaluate_tau, position_acceptance, split_held_out
 from dflash_mlx.train.fit import fit
 from dflash_mlx.train.labels import label_counts, target_pass
 from tiny_models import tiny_target
@@ -315,3 +315,20 @@ def test_training_starts_from_a_quantized_drafter(trained, tmp_path):
     draft = fit(target, None, examples, tmp_path / "warm", cfg, show_progress=False, log=lambda *_: None)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules())
     assert "quantization" not in json.loads((tmp_path / "warm" / "config.json").read_text())
+
+
+def test_several_data_dirs_keep_the_first_dirs_held_out_examples(tmp_path):
+    fingerprint = {"model_type": "llama", "num_layers": 30}
+    for name, count in (("first", 10), ("added", 5)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "meta.json").write_text(json.dumps({"target": fingerprint}))
+        rows = [Example(f"{name} {i}", [1, 2], [3, 4]) for i in range(count)]
+        (folder / "shard-00000.jsonl").write_text("".join(json.dumps(e.__dict__) + "\n" for e in rows))
+    both = read_datasets(f"{tmp_path / 'first'},{tmp_path / 'added'}", fingerprint)
+    assert len(both) == 15
+    held_out, training = split_held_out(both, 3)
+    assert [e.prompt for e in held_out] == ["first 7", "first 8", "first 9"]
+    assert {e.prompt for e in training} >= {f"added {i}" for i in range(5)}
+    with pytest.raises(ValueError, match="no data dir"):
+        read_datasets(" , ", fingerprint)

@@ -41,6 +41,7 @@ class Run:
     histogram: list = field(default_factory=list)
     plain_cycles: int = 0
     cycles: int = 0
+    lookup_cycles: int = 0
 
 
 def _timed(responses):
@@ -68,8 +69,8 @@ def _dflash(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed, block
     last, tps = _timed(stream_generate(model, tokenizer, prompt, max_tokens, seed=seed, block_size=block_size,
                                        **options))
     return Run("", 0, "dflash", mode, last.generation_tokens, tps, last.prompt_tps,
-               last.peak_memory, last.tau, last.acceptance_histogram, sum(w == 1 for w in last.widths),
-               len(last.widths))
+               last.peak_memory, last.tau, last.acceptance_histogram, last.sources.count("plain"),
+               len(last.sources), last.sources.count("lookup"))
 
 
 def run_bench(
@@ -157,6 +158,7 @@ def summarize(runs: list[Run], sets: list[str], modes: list[str]) -> list[dict]:
                 "plain_peak_gb": max(r.peak_memory_gb for r in plain),
                 "dflash_peak_gb": max(r.peak_memory_gb for r in dflash),
                 "plain_cycle_share": sum(r.plain_cycles for r in dflash) / max(sum(r.cycles for r in dflash), 1),
+                "lookup_cycle_share": sum(r.lookup_cycles for r in dflash) / max(sum(r.cycles for r in dflash), 1),
                 "histogram": histogram,
             })
     return rows
@@ -167,12 +169,13 @@ def markdown(results: dict) -> str:
              f"block {results['block_size'] or 'adaptive'}; medians over prompts",
              "",
              "| set | mode | prompts | plain tok/s | DFlash tok/s | speedup (median) | min | tau | "
-             "plain cycles | prompt tok/s (plain / DFlash) | peak GB (plain / DFlash) |",
+             "plain / lookup cycles | prompt tok/s (plain / DFlash) | peak GB (plain / DFlash) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["summary"]:
         lines.append(
             f"| {r['set']} | {r['mode']} | {r['prompts']} | {r['plain_tps']:.1f} | {r['dflash_tps']:.1f} | "
-            f"{r['speedup']:.2f}x | {r['min_speedup']:.2f}x | {r['tau']:.2f} | {100 * r['plain_cycle_share']:.0f}% | "
+            f"{r['speedup']:.2f}x | {r['min_speedup']:.2f}x | {r['tau']:.2f} | {100 * r['plain_cycle_share']:.0f}% / "
+            f"{100 * r.get('lookup_cycle_share', 0):.0f}% | "
             f"{r['plain_prompt_tps']:.0f} / {r['dflash_prompt_tps']:.0f} | "
             f"{r['plain_peak_gb']:.2f} / {r['dflash_peak_gb']:.2f} |")
     return "\n".join(lines) + "\n"

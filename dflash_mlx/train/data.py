@@ -64,6 +64,16 @@ def read_data(data_dir, fingerprint: Optional[dict] = None) -> list[Example]:
     return examples
 
 
+def read_datasets(data_dirs: str, fingerprint: Optional[dict] = None) -> list[Example]:
+    """The examples of comma-separated data dirs, ordered so that the held-out examples
+    (the last ones, `split_held_out`) stay those of the first dir, whatever is added."""
+    dirs = [d.strip() for d in data_dirs.split(",") if d.strip()]
+    if not dirs:
+        raise ValueError("no data dir given; pass --data DIR[,DIR...]")
+    first = read_data(dirs[0], fingerprint)
+    return [e for d in dirs[1:] for e in read_data(d, fingerprint)] + first
+
+
 def _read_shards(data_dir: Path) -> list[Example]:
     return [Example(**json.loads(line)) for shard in sorted(data_dir.glob("shard-*.jsonl"))
             for line in shard.read_text().splitlines() if line.strip()]

@@ -1,0 +1,40 @@
+"""Prompt-lookup proposals: the second source of drafts, free to make.
+
+When the text being written repeats text already seen (editing code, quoting the
+prompt, filling a JSON template), the tokens that followed the last occurrence of
+the current suffix are a good guess for what comes next.  The longest suffix of
+2..max_ngram tokens that occurred before is looked up (its latest occurrence), and
+the tokens that followed it are proposed, as in prompt lookup decoding and vLLM's
+n-gram speculator (a match that runs into the present continues with its own period).  They are verified like any draft, so the output is unchanged.
+"""
+
+
+class PromptLookup:
+    def __init__(self, tokens, min_ngram: int = 2, max_ngram: int = 4):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        """Append committed tokens; every n-gram now followed by a token is indexed."""
+        for token in tokens:
+            end = len(self.tokens)  # the n-grams ending here are followed by `token`
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._after[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(int(token))
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest earlier match of the current suffix."""
+        if limit <= 0:
+            return []
+        for n in range(min(self.max_ngram, len(self.tokens)), self.min_ngram - 1, -1):
+            start = self._after.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                # copied as an overlapping copy runs: past the end, the proposal repeats itself
+                # (a repeating text keeps its period)
+                proposal, end = [], len(self.tokens)
+                for i in range(start, start + limit):
+                    proposal.append(self.tokens[i] if i < end else proposal[i - end])
+                return proposal
+        return []

@@ -1,0 +1,61 @@
+"""Prompt-lookup proposals: what they propose, and that decoding with them stays lossless."""
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.adaptive import CostModel, WidthChooser
+from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.lookup import PromptLookup
+from dflash_mlx.sampling import SamplingParams
+from tiny_models import random_draft, tiny_target
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def test_proposes_what_followed_the_latest_longest_match():
+    lookup = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8])
+    assert lookup.propose(4) == []  # the suffix (7, 8) never occurred before
+    lookup.extend([1, 2])
+    assert lookup.propose(3) == [3, 4, 5]  # (1, 2) was followed by 3 4 5
+    lookup.extend([3])
+    # (2, 3) occurred twice; (1, 2, 3) once: the longest match wins
+    assert lookup.propose(2) == [4, 5]
+    lookup.extend([7])
+    assert lookup.propose(6) == [8, 1, 2, 3, 7, 8]  # (3, 7) followed by 8 ...; past the end, its own period
+    assert lookup.propose(0) == []
+    assert PromptLookup([5, 5, 5]).propose(4) == [5, 5, 5, 5]  # a repeating text keeps repeating
+
+
+def test_single_tokens_never_match():
+    lookup = PromptLookup([1, 2, 3, 1])
+    assert lookup.propose(3) == []  # a 1-token suffix is too weak a match
+
+
+def decoded(model, params=SamplingParams(), seed=None, max_tokens=48):
+    stats = DecodeStats()
+    tokens = [t for s in decode(model, mx.array(PROMPT), params, max_tokens, stats=stats, seed=seed) for t in s.tokens]
+    return tokens, stats
+
+
+def lookup_model(target):
+    # the drafter's drafts are rejected: only the lookup can pay here
+    cost = CostModel([1, 2, 4, 8], [0.010, 0.011, 0.013, 0.017], 0.004, 0.0005)
+    return DFlashModel(target, random_draft(target, block_size=8), chooser=WidthChooser(cost, 8))
+
+
+def test_greedy_lookup_decoding_equals_plain_greedy():
+    target = tiny_target("qwen3", seed=1)  # its greedy text settles into repeating itself
+    reference = [int(t) for t, _ in generate_step(mx.array(PROMPT), target.model, max_tokens=48)]
+    tokens, stats = decoded(lookup_model(target))
+    assert tokens == reference
+    lookups = [n for n, s in zip(stats.accepted_lengths, stats.sources) if s == "lookup"]
+    assert lookups and max(lookups) >= 4  # long runs committed in one target pass
+
+
+def test_seeded_sampling_with_lookup_equals_plain_sampling():
+    target = tiny_target("qwen3", seed=1)
+    params = SamplingParams(temp=0.3)
+    plain, _ = decoded(DFlashModel(target), params, seed=7)
+    tokens, stats = decoded(lookup_model(target), params, seed=7)
+    assert tokens == plain
+    assert "lookup" in stats.sources
