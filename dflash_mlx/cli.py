@@ -224,8 +224,10 @@ def make_data(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Longest response per prompt."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Stop after about this many response tokens."),
     batch_size: int = typer.Option(64, "--batch-size", help="Prompts generated together (batched decoding)."),
+    temp: float = typer.Option(0.0, "--temp", help="0: greedy responses; > 0: sampled ones (more varied text; labelled where the target's greedy choice agrees)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of sampled responses."),
 ):
-    """Generate the target's own greedy responses (self-distillation data)."""
+    """Generate the target's own responses (self-distillation data)."""
     from .api import load
     from .train.data import make_data as run
     from .train.prompts import read_prompts
@@ -236,11 +238,44 @@ def make_data(
         fail("--max-tokens and --batch-size must be > 0")
     if budget is not None and budget <= 0:
         fail(f"--budget must be > 0, got {budget}")
+    if not temp >= 0:
+        fail(f"--temp must be >= 0, got {temp}")
     texts = read_prompts(prompts)
     writable(Path(out), "data")
     pair, tokenizer = load(model, use_draft=False)
-    path = run(pair.target.model, tokenizer, texts, out, max_tokens, budget, batch_size)
+    path = run(pair.target.model, tokenizer, texts, out, max_tokens, budget, batch_size, temp=temp, seed=seed)
     typer.echo(f"data in {path}")
+
+
+@train_app.command("make-prompts")
+@user_errors
+def make_prompts(
+    out: str = typer.Option(..., "--out", "-o", help="A .jsonl file of prompts (appended to; resumes)."),
+    count: int = typer.Option(1000, "--count", "-n", help="Prompts the file should hold."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
+    temp: float = typer.Option(1.0, "--temp", help="Sampling temperature of the user turns."),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    seed: int = typer.Option(0, "--seed"),
+    batch_size: int = typer.Option(64, "--batch-size", help="User turns sampled together (batched decoding)."),
+):
+    """Let a chat target write user prompts itself (Magpie-style), for `train make-data --prompts FILE`."""
+    from .api import load
+    from .io.progress import console
+    from .io.storage import writable
+    from .train.corpus import benchmark_shingles
+    from .train.self_prompts import make_prompts as run
+
+    if count <= 0 or batch_size <= 0:
+        fail("--count and --batch-size must be > 0")
+    if not temp > 0 or not 0 < top_p <= 1:
+        fail(f"--temp must be > 0 and --top-p in (0, 1], got {temp} and {top_p}")
+    if not out.endswith(".jsonl"):
+        fail(f"--out must be a .jsonl file (what make-data --prompts reads), got {out}")
+    writable(Path(out).parent, "output")
+    pair, tokenizer = load(model, use_draft=False)
+    console.print("Reading the benchmark prompt sets (no prompt may share an 8-word span with them)", style="dim")
+    path = run(pair.target.model, tokenizer, out, count, benchmark_shingles(), temp, top_p, seed, batch_size)
+    typer.echo(f"prompts in {path}")
 
 
 @train_app.command("fit")

@@ -44,3 +44,26 @@ def test_prompt_files(tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ValueError, match="no prompts"):
         read_prompts(str(tmp_path / "empty.txt"))
+
+
+def test_the_target_writes_prompts_itself(smollm2, tmp_path):
+    """Magpie-style: from its user-turn opening alone, SmolLM2 writes user prompts; kept are
+    finished, distinct ones that share no 8-word span with the banned (benchmark) spans."""
+    import json
+
+    from dflash_mlx.train.corpus import shingles as spans
+    from dflash_mlx.train.self_prompts import keep, make_prompts, user_turn_prefix
+
+    model, tokenizer = smollm2
+    prefix = tokenizer.decode(user_turn_prefix(tokenizer))
+    assert prefix.endswith("<|im_start|>user\n") and "system" in prefix
+    banned = spans("write a short story about a cat who loves to nap in the sun")
+    assert not keep("Write a short story about a cat who loves to nap in the sun all day.", set(), banned)
+    assert not keep("hi", set(), set()) and not keep("What is the capital of France?", {"what is the capital of france?"}, set())
+    out = tmp_path / "prompts.jsonl"
+    make_prompts(model, tokenizer, out, 3, banned, batch_size=8, max_tokens=48, show_progress=False)
+    make_prompts(model, tokenizer, out, 5, banned, batch_size=8, max_tokens=48, show_progress=False)  # resumes
+    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert len(prompts) == 5 and len(set(prompts)) == 5
+    assert all(keep(p, set(), banned) for p in prompts)
+    assert read_prompts(str(out)) == prompts  # what make-data --prompts reads

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..api import format_prompt
@@ -88,17 +90,27 @@ def make_data(
     token_budget: Optional[int] = None,
     batch_size: int = 64,
     show_progress: bool = True,
+    temp: float = 0.0,
+    seed: int = 0,
 ) -> Path:
-    """Generate greedy responses for `prompts` into `out_dir`, skipping finished ones."""
+    """Generate the target's responses for `prompts` into `out_dir`, skipping finished ones:
+    greedy, or sampled at `temp` (then only the stretches where the target's greedy choice
+    agrees are labelled beyond block position 1, as for any text: see train/labels.py)."""
     out_dir = Path(out_dir)
     target = Target(model)
     fingerprint = target_fingerprint(target, tokenizer)
     meta_file = out_dir / "meta.json"
+    decoding = "greedy" if temp == 0 else f"sampled, temperature {temp}"
     if meta_file.is_file():
-        if json.loads(meta_file.read_text()).get("target") != fingerprint:
+        meta = json.loads(meta_file.read_text())
+        if meta.get("target") != fingerprint:
             raise ValueError(f"{out_dir} already holds data from a different target; use another --out")
+        if meta.get("decoding", "greedy") != decoding:
+            raise ValueError(f"{out_dir} holds {meta.get('decoding', 'greedy')} responses, not {decoding}; "
+                             "use another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta_file.write_text(json.dumps({"target": fingerprint, "max_tokens": max_tokens, "decoding": "greedy"}, indent=2))
+    meta_file.write_text(json.dumps({"target": fingerprint, "max_tokens": max_tokens, "decoding": decoding}, indent=2))
+    sampler = make_sampler(temp) if temp else None
 
     existing = _read_shards(out_dir)
     done = {e.prompt for e in existing}
@@ -113,7 +125,8 @@ def make_data(
         for batch in _batches(todo, batch_size):
             if have >= budget:
                 break
-            examples = _generate(model, tokenizer, batch, max_tokens, lambda n: bar.advance(task, n))
+            mx.random.seed(seed + shard_index)  # a resumed run samples as a fresh one would
+            examples = _generate(model, tokenizer, batch, max_tokens, lambda n: bar.advance(task, n), sampler)
             shard = out_dir / f"shard-{shard_index:05d}.jsonl"
             shard.write_text("".join(json.dumps(e.__dict__) + "\n" for e in examples))
             shard_index += 1
@@ -128,9 +141,9 @@ def _batches(items: list, size: int) -> Iterator[list]:
         yield items[i : i + size]
 
 
-def _generate(model, tokenizer, prompts: list[str], max_tokens: int, on_tokens) -> list[Example]:
+def _generate(model, tokenizer, prompts: list[str], max_tokens: int, on_tokens, sampler=None) -> list[Example]:
     ids = [format_prompt(tokenizer, p) for p in prompts]
-    generator = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+    generator = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], sampler=sampler,
                                completion_batch_size=len(ids), prefill_batch_size=min(8, len(ids)))
     uids = generator.insert(ids, [max_tokens] * len(ids))
     responses = {uid: [] for uid in uids}
