@@ -9,14 +9,17 @@ accepted, each cycle uses the plan maximising
     E[committed | L] / T(L),   E[committed | L] = 1 + sum_{k<L} prod_{j<=k} a_j
 
 over plain decoding (L = 1), the drafter at L = 2 .. block size, and the prompt
-lookup's proposal (lookup.py, no drafter pass) at L = 2 .. its length + 1.
+lookup's proposal (lookup.py, no drafter pass) at L = 2 .. its length + 1, whose
+acceptance is estimated per length of the matched suffix (a 1-token match is a weak
+hint, a 4-token one a strong one).
 
 The acceptance estimates are per generation: each starts from a prior, the
 long-run estimate of that source over everything decoded so far, and follows the
 evidence of the last cycles (every cycle ages it, so it drifts back to the prior
 when a source has not been tried lately, and is tried again when the prior says
-it pays).  A drafter the prior says never pays is still tried once every
-`explore_every` plain cycles: a prompt can be easier than the average.
+it pays).  A drafter the prior says never pays is still tried after `first_probe`
+cycles of each generation, then once every `explore_every` cycles without it: a
+prompt can be easier than the average.
 
 The curve is measured in isolation; a real drafting cycle also syncs, rolls
 back and breaks the plain-step pipeline.  So the engine reports each cycle's
@@ -37,6 +40,7 @@ import mlx.core as mx
 
 from .io.progress import console
 from .io.storage import atomic_write
+from .lookup import NO_MATCH, Match
 from .sampling import Noise, SamplingParams, choose
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -154,42 +158,58 @@ class AcceptanceEstimate:
 @dataclass(frozen=True)
 class Plan:
     """What one cycle does: verify `width` tokens, the last committed one plus width - 1
-    proposed by `source` ("dflash": the drafter, "lookup": the prompt lookup's `tokens`);
-    width 1 is a plain decoding step."""
+    proposed by `source` ("dflash": the drafter, "lookup": the prompt lookup's `tokens`,
+    found by a suffix match of `match` tokens); width 1 is a plain decoding step."""
 
     width: int = 1
     source: str = "plain"
     tokens: tuple = ()
+    match: int = 0
+
+    @property
+    def kind(self) -> str:
+        """Whose acceptance estimate this plan is judged by."""
+        return f"lookup{self.match}" if self.source == "lookup" else self.source
 
 
 PLAIN = Plan()
-SOURCES = ("dflash", "lookup")
 
 
 class WidthChooser:
     def __init__(self, cost: CostModel, max_width: int, prior: float = 0.5, explore_every: int = 64,
-                 long_run_decay: float = 0.999):
+                 first_probe: int = 8, long_run_decay: float = 0.999):
         self.cost = cost
         self.max_width = max_width
-        self.explore_every = explore_every
-        self.long_run = {s: AcceptanceEstimate(max_width, prior=prior, decay=long_run_decay) for s in SOURCES}
+        self.explore_every, self.first_probe = explore_every, first_probe
+        self.prior, self.long_run_decay = prior, long_run_decay
+        self.long_run: dict[str, AcceptanceEstimate] = {}  # per kind: "dflash", "lookup1", "lookup2", ...
         self.acceptance: dict[str, AcceptanceEstimate] = {}
         self._time_ratio = {"plain": 1.0, "dflash": 1.0, "lookup": 1.0}  # measured / modelled cycle time
         self._since_draft = 0
         self.start()
 
     def start(self) -> None:
-        """A new generation: each source's estimate starts from its long-run rates."""
-        self.acceptance = {s: AcceptanceEstimate(e.max_width, prior=[e.rates()[0]] + e.informed_rates()[1:])
-                           for s, e in self.long_run.items()}
-        self._since_draft = 0
+        """A new generation: each kind's estimate starts from its long-run rates."""
+        self.acceptance = {}
+        # prompts differ more than the long run says: each generation tries the drafter early
+        self._since_draft = max(0, self.explore_every - self.first_probe)
+
+    def estimate(self, kind: str) -> AcceptanceEstimate:
+        """This generation's acceptance estimate of `kind` (made from its long-run one on first use)."""
+        if kind not in self.acceptance:
+            if kind not in self.long_run:
+                self.long_run[kind] = AcceptanceEstimate(self.max_width, prior=self.prior, decay=self.long_run_decay)
+            long_run = self.long_run[kind]
+            self.acceptance[kind] = AcceptanceEstimate(self.max_width,
+                                                       prior=[long_run.rates()[0]] + long_run.informed_rates()[1:])
+        return self.acceptance[kind]
 
     def penalty(self, source: str) -> float:
         """How much costlier `source`'s cycles really are, relative to plain ones, than modelled."""
         return self._time_ratio[source] / self._time_ratio["plain"]
 
     def throughput(self, plan: Plan, params: Optional[SamplingParams] = None) -> float:
-        expected = self.acceptance[plan.source].expected_committed(plan.width) if plan.width > 1 else 1.0
+        expected = self.estimate(plan.kind).expected_committed(plan.width) if plan.width > 1 else 1.0
         return expected / self.seconds(plan, params)
 
     def seconds(self, plan: Plan, params: Optional[SamplingParams] = None) -> float:
@@ -198,36 +218,36 @@ class WidthChooser:
             return self.cost.cycle(1, params)
         return self.cost.cycle(plan.width, params, drafted=plan.source == "dflash") * self.penalty(plan.source)
 
-    def candidates(self, limit: Optional[int], lookup: Sequence[int]) -> list[Plan]:
+    def candidates(self, limit: Optional[int], lookup: Match) -> list[Plan]:
         most = min(self.max_width, limit or self.max_width)
         found = [PLAIN] + [Plan(L, "dflash") for L in range(2, most + 1)]
-        longest = min(len(lookup) + 1, limit or len(lookup) + 1, self.max_width)
-        return found + [Plan(L, "lookup", tuple(lookup[: L - 1])) for L in range(2, longest + 1)]
+        longest = min(len(lookup.tokens) + 1, limit or len(lookup.tokens) + 1, self.max_width)
+        return found + [Plan(L, "lookup", lookup.tokens[: L - 1], lookup.length) for L in range(2, longest + 1)]
 
     def best(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None,
-             lookup: Sequence[int] = ()) -> Plan:
-        # every cycle runs this: each source's expected commits are summed once, not per width
+             lookup: Match = NO_MATCH) -> Plan:
+        plans = self.candidates(limit, lookup)
+        # every cycle runs this: each kind's expected commits are summed once, not per width
         expected = {"plain": [1.0, 1.0]}
-        for source, estimate in self.acceptance.items():
+        for kind in {plan.kind for plan in plans} - {"plain"}:
             run, sums = 1.0, [1.0, 1.0]
-            for a in estimate.rates():
+            for a in self.estimate(kind).rates():
                 run *= a
                 sums.append(sums[-1] + run)
-            expected[source] = sums  # [L] = E[committed | width L]
-        return max(self.candidates(limit, lookup),
-                   key=lambda plan: expected[plan.source][plan.width] / self.seconds(plan, params))
+            expected[kind] = sums  # [L] = E[committed | width L]
+        return max(plans, key=lambda plan: expected[plan.kind][plan.width] / self.seconds(plan, params))
 
     def choose(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None,
-               lookup: Sequence[int] = ()) -> Plan:
+               lookup: Match = NO_MATCH) -> Plan:
         """The plan for the next cycle; `limit` caps its width (tokens left), `lookup` is
-        what the prompt lookup proposes now (may be empty)."""
+        what the prompt lookup proposes now (may be no match)."""
         plan = self.best(limit, params, lookup)
-        if plan.width > 1:
+        if plan.source == "dflash":
             self._since_draft = 0
             return plan
         self._since_draft += 1
-        if self._since_draft < self.explore_every or (limit is not None and limit < 2):
-            return PLAIN  # not yet, or no room: a probe of 2 would commit past the last token
+        if plan != PLAIN or self._since_draft < self.explore_every or (limit is not None and limit < 2):
+            return plan  # not yet, or no room: a probe of 2 would commit past the last token
         self._since_draft = 0  # look again: this prompt may suit the drafter better than the average
         return Plan(2, "dflash")
 
@@ -237,9 +257,9 @@ class WidthChooser:
         for estimate in self.acceptance.values():
             estimate.age()
         if plan.width > 1:
-            self.acceptance[plan.source].observe(plan.width, accepted)
-            self.long_run[plan.source].age()
-            self.long_run[plan.source].observe(plan.width, accepted)
+            self.estimate(plan.kind).observe(plan.width, accepted)
+            self.long_run[plan.kind].age()
+            self.long_run[plan.kind].observe(plan.width, accepted)
         ratio = seconds / self.cost.cycle(plan.width, params, drafted=plan.source == "dflash")
         self._time_ratio[plan.source] += weight * (ratio - self._time_ratio[plan.source])
 

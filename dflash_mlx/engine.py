@@ -235,13 +235,15 @@ def decode(
             next_token = queued if queued is not None else plain_step(model, token, tcache, context, params,
                                                                       step_noise(produced))
             # A plain cycle teaches the chooser nothing, so the next plan is known before
-            # this token is (unless the prompt lookup matches now, and may propose after
-            # it): queue the next plain step now, and the graph of step t+1 is built while
-            # step t computes.
+            # this token is: queue the next plain step now, and the graph of step t+1 is
+            # built while step t computes.  Unless the plan would take the prompt lookup's
+            # proposal, which depends on this token: that one is decided once it is read.
             queued = None
-            if left > 1 and not (lookup is not None and lookup.propose(1)):
+            if left > 1:
                 decided = plan_for(left - 1)
-                if decided.width == 1:
+                if decided.source == "lookup":
+                    decided = None
+                elif decided.width == 1:
                     queued = plain_step(model, next_token, tcache, context, params, step_noise(produced + 1))
                     mx.async_eval(queued)
             n, committed = 0, [next_token.item()]

@@ -11,15 +11,16 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx.adaptive import PLAIN, AcceptanceEstimate, CostModel, Plan, WidthChooser, measure_costs, monotone
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.lookup import Match
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import oracle_draft, random_draft, tiny_target
 
 
-def chooser_with(rates, cost, max_width=16, source="dflash", **kwargs):
+def chooser_with(rates, cost, max_width=16, kind="dflash", **kwargs):
     chooser = WidthChooser(cost, max_width, **kwargs)
     # a long history with exactly these conditional acceptance rates
-    chooser.acceptance[source].trials = [1e6] * max_width
-    chooser.acceptance[source].hits = [r * 1e6 for r in rates]
+    chooser.estimate(kind).trials = [1e6] * max_width
+    chooser.estimate(kind).hits = [r * 1e6 for r in rates]
     return chooser
 
 
@@ -61,11 +62,15 @@ def test_matches_brute_force_on_random_profiles():
 
 
 def test_falls_back_to_plain_decoding_and_explores_now_and_then():
-    chooser = chooser_with([0.05] * 16, cpu_like(), explore_every=64)
+    chooser = chooser_with([0.05] * 16, cpu_like(), explore_every=64, first_probe=8)
     plans = [chooser.choose() for _ in range(64 * 3)]
-    # a drafter that does not pay is still tried at width 2 once every 64 plain cycles
-    assert [i + 1 for i, p in enumerate(plans) if p != PLAIN] == [64, 128, 192]
+    # a drafter that does not pay is still tried at width 2: early in a generation, then
+    # once every 64 cycles without it
+    assert [i + 1 for i, p in enumerate(plans) if p != PLAIN] == [8, 72, 136]
     assert {p for p in plans if p != PLAIN} == {Plan(2, "dflash")}
+    # prompt-lookup cycles do not count as trying the drafter
+    plans = [chooser.choose(lookup=Match((1,), 1)) if i % 2 else chooser.choose() for i in range(130)]
+    assert plans.count(Plan(2, "dflash")) == 2 and any(p.source == "lookup" for p in plans)
     # a moderately good drafter on the same machine gets a middle width
     assert 2 < chooser_with([0.7] * 16, cpu_like()).choose().width < 16
     # the number of tokens left caps the width, explorations included (the server load test
@@ -84,7 +89,7 @@ def test_evidence_decides_per_generation_from_a_long_run_prior():
     for i in range(300):  # a long history of a drafter right 70% of the time at position 1
         chooser.record(Plan(2, "dflash"), 1 if i % 10 < 7 else 0, cost.cycle(2))
     chooser.start()
-    assert chooser.acceptance["dflash"].rates()[0] == pytest.approx(0.7, abs=0.03)
+    assert chooser.estimate("dflash").rates()[0] == pytest.approx(0.7, abs=0.03)
     assert chooser.best().source == "dflash"
     for _ in range(8):  # this prompt: every draft rejected
         chooser.record(Plan(2, "dflash"), 0, cost.cycle(2))
@@ -97,14 +102,15 @@ def test_evidence_decides_per_generation_from_a_long_run_prior():
 def test_prompt_lookup_is_chosen_when_it_pays():
     cost = cpu_like()
     chooser = chooser_with([0.05] * 16, cost)  # a drafter that never pays
-    plan = chooser.best(lookup=[7, 8, 9])  # prior 0.5, no drafter pass
-    assert plan.source == "lookup" and plan.tokens == (7, 8, 9)[: plan.width - 1]
-    chooser.acceptance["lookup"].trials = [1e6] * 16
-    chooser.acceptance["lookup"].hits = [0.01e6] * 16
-    assert chooser.best(lookup=[7, 8, 9]) == PLAIN  # this text does not repeat what came before
-    fluent = chooser_with([0.99] * 16, cost, source="lookup")
-    assert fluent.best(lookup=list(range(30))) == Plan(16, "lookup", tuple(range(15)))
-    assert fluent.best(limit=5, lookup=list(range(30))).width == 5
+    plan = chooser.best(lookup=Match((7, 8, 9), 3))  # prior 0.5, no drafter pass
+    assert plan.source == "lookup" and plan.tokens == (7, 8, 9)[: plan.width - 1] and plan.match == 3
+    chooser.estimate("lookup3").trials = [1e6] * 16
+    chooser.estimate("lookup3").hits = [0.01e6] * 16
+    assert chooser.best(lookup=Match((7, 8, 9), 3)) == PLAIN  # this text does not repeat what came before
+    assert chooser.best(lookup=Match((7, 8, 9), 4)).source == "lookup"  # longer matches keep their own record
+    fluent = chooser_with([0.99] * 16, cost, kind="lookup2")
+    assert fluent.best(lookup=Match(tuple(range(30)), 2)) == Plan(16, "lookup", tuple(range(15)), 2)
+    assert fluent.best(limit=5, lookup=Match(tuple(range(30)), 2)).width == 5
 
 
 def test_measured_cycle_times_correct_the_cost_model():

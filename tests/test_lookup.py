@@ -5,7 +5,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx.adaptive import CostModel, WidthChooser
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
-from dflash_mlx.lookup import PromptLookup
+from dflash_mlx.lookup import NO_MATCH, Match, PromptLookup
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import random_draft, tiny_target
 
@@ -14,21 +14,23 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 def test_proposes_what_followed_the_latest_longest_match():
     lookup = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8])
-    assert lookup.propose(4) == []  # the suffix (7, 8) never occurred before
+    assert lookup.propose(4) == NO_MATCH and not lookup.propose(4)  # 8 never occurred before
     lookup.extend([1, 2])
-    assert lookup.propose(3) == [3, 4, 5]  # (1, 2) was followed by 3 4 5
+    assert lookup.propose(3) == Match((3, 4, 5), 2)  # (1, 2) was followed by 3 4 5
     lookup.extend([3])
     # (2, 3) occurred twice; (1, 2, 3) once: the longest match wins
-    assert lookup.propose(2) == [4, 5]
+    assert lookup.propose(2) == Match((4, 5), 3)
     lookup.extend([7])
-    assert lookup.propose(6) == [8, 1, 2, 3, 7, 8]  # (3, 7) followed by 8 ...; past the end, its own period
-    assert lookup.propose(0) == []
-    assert PromptLookup([5, 5, 5]).propose(4) == [5, 5, 5, 5]  # a repeating text keeps repeating
+    # (2, 3, 7) followed by 8 ...; past the end, the copy repeats its own period
+    assert lookup.propose(6) == Match((8, 1, 2, 3, 7, 8), 3)
+    assert lookup.propose(0) == NO_MATCH
+    assert PromptLookup([5, 5, 5]).propose(4) == Match((5, 5, 5, 5), 2)  # a repeating text keeps repeating
 
 
-def test_single_tokens_never_match():
+def test_a_single_token_match_says_so():
     lookup = PromptLookup([1, 2, 3, 1])
-    assert lookup.propose(3) == []  # a 1-token suffix is too weak a match
+    assert lookup.propose(3) == Match((2, 3, 1), 1)  # a weak hint: the plan judges it by its own record
+    assert PromptLookup([1, 2, 3, 1], min_ngram=2).propose(3) == NO_MATCH
 
 
 def decoded(model, params=SamplingParams(), seed=None, max_tokens=48):
