@@ -12,6 +12,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import WidthChooser, cached_costs, measure_costs
 from .drafters import load_draft
+from .io import blas
 from .io.progress import console
 from .engine import DecodeStats, DFlashModel, decode
 from .prompt_cache import PromptCache
@@ -80,6 +81,10 @@ def load(
         if not target.is_driver:
             return DFlashModel(target, None, f"rank {target.rank} follows rank 0", None), tokenizer
 
+    notice = blas.slow_notice()
+    if notice and target.dtype == mx.float32 and mx.default_device() == mx.cpu and notice not in _said:
+        console.print(notice, style="yellow", soft_wrap=True)
+        _said.add(notice)
     drafter, note = None, resolved.draft_note
     if not use_draft:
         note = "drafting disabled (--no-draft)"
@@ -102,6 +107,9 @@ def load(
         cost = cached_costs(key, measure, cache_dir())
         chooser = WidthChooser(cost, drafter.block_size)
     return DFlashModel(target, drafter, note, chooser), tokenizer
+
+
+_said: set[str] = set()  # one-line notices already printed by this process
 
 
 def _fingerprint(folder: Path) -> str:

@@ -10,6 +10,7 @@ so the decode loop never asks what kind of layer it is talking to.
 
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from .gated_delta import Tape
@@ -51,8 +52,17 @@ class RotatingKV:
         if drop <= 0:
             return
         keys, values, offset, keep_first, max_size, _ = self.cache.state
-        keys, values = keys[..., :-drop, :], values[..., :-drop, :]
-        self.cache.state = (keys, values, offset - drop, keep_first, max_size, keys.shape[2])
+        keys, values, offset = keys[..., :-drop, :], values[..., :-drop, :], offset - drop
+        end = keys.shape[2]
+        if end < max_size <= offset:
+            # Everything the verify wrote was dropped from a full window: max_size - 1 entries
+            # are left, and mlx-lm's one-token update expects a full ring once the offset is past
+            # the window (else it asks for a negative-size buffer).  One free slot at the end
+            # makes it one: the next token is written there, and a multi-token update puts it
+            # first in temporal order and trims it as the oldest entry.
+            pad = [(0, 0)] * (keys.ndim - 2) + [(0, max_size - end), (0, 0)]
+            keys, values = mx.pad(keys, pad), mx.pad(values, pad)
+        self.cache.state = (keys, values, offset, keep_first, max_size, end)
 
 
 class GatedDeltaState:

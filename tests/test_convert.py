@@ -101,9 +101,11 @@ def test_bad_drafter_input_leaves_nothing_behind(tmp_path, zlab_drafter):
     with pytest.raises(FileExistsError, match="--force"):
         convert_draft(str(zlab_drafter), tmp_path / "exists", q_bits=8, show_progress=False)
     quantized = convert_draft(str(zlab_drafter), tmp_path / "q8", q_bits=8, show_progress=False)
-    with pytest.raises(DraftLoadError, match="already quantized"):
-        convert_draft(str(quantized), tmp_path / "o4", q_bits=4, show_progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "llama", "notadrafter", "q8", "zlab"]
+    # a quantized drafter is re-quantized from its expanded weights, as the dry run says
+    assert "expanded first" in str(convert_draft(str(quantized), tmp_path / "q4", q_bits=4, dry_run=True).steps)
+    requantized = load_draft(convert_draft(str(quantized), tmp_path / "q4", q_bits=4, show_progress=False))
+    assert requantized.quantization["bits"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "llama", "notadrafter", "q4", "q8", "zlab"]
     assert not any((tmp_path / "exists").iterdir())
 
 

@@ -367,3 +367,21 @@ def test_import_order_is_reported():
         pytest.skip("no OpenBLAS on this machine: nothing to report")
     assert "import dflash_mlx before mlx" in result.stderr
     assert "mlx was imported before dflash_mlx" in result.stdout
+
+
+def test_missing_openblas_is_said_once_in_one_line(tiny_dirs, monkeypatch, capsys):
+    """A plain `pip install` on Linux runs fp32 on the reference BLAS: say so, once, with the fix."""
+    from dflash_mlx import api
+    from dflash_mlx.io import blas
+
+    model_dir, _ = tiny_dirs
+    monkeypatch.setattr(blas, "_status", "not found (apt install libopenblas0-pthread for ~10x faster fp32)")
+    monkeypatch.setattr(api, "_said", set())
+    load(str(model_dir), use_draft=False)
+    load(str(model_dir), use_draft=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "reference BLAS" in line]
+    assert len(lines) == 1 and "apt install libopenblas0-pthread" in lines[0]
+    monkeypatch.setattr(blas, "_status", "OpenBLAS (/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3)")
+    monkeypatch.setattr(api, "_said", set())
+    load(str(model_dir), use_draft=False)
+    assert "reference BLAS" not in capsys.readouterr().err

@@ -12,7 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..drafters import DFlashDraftModel, DraftLoadError, load_draft, save_draft
+from ..drafters import DFlashDraftModel, load_draft, save_draft
 from ..io.progress import add_task, progress
 from ..io.storage import fetch, staged, writable
 
@@ -77,7 +77,8 @@ def convert_draft(
                          "(float16 activations overflow in drafters)")
     plan = Plan(source, out, [f"weights and activations in {dtype}"])
     plan.steps.append(f"quantize linear layers (and DFlash 2 codebooks) to {q_bits} bits, group {q_group_size}"
-                      + ("" if quantize_fc else ", fc kept in float") + "; norms stay float"
+                      + ("" if quantize_fc else ", fc kept in float") + "; norms stay float; a quantized "
+                      "drafter is expanded first (its rounding errors add up: prefer the float one)"
                       if q_bits else f"no quantization (a quantized drafter is expanded to {dtype})")
     plan.steps.append("write config.json (z-lab schema + mlx `quantization`) and model.safetensors")
     if dry_run:
@@ -89,10 +90,9 @@ def convert_draft(
     with progress(show_progress) as bar:
         task = add_task(bar, "convert drafter", total=3, info=Path(source).name)
         path = fetch(source, ["*.json", "*.safetensors"])
-        # without --q-bits a quantized drafter is expanded: float weights are what SGLang, vLLM and z-lab read
-        draft = load_draft(path, dtype=DRAFT_DTYPES[dtype], dequantize=not q_bits)
-        if draft.quantization:
-            raise DraftLoadError(f"{source} is already quantized; convert from the float drafter")
+        # a quantized drafter is expanded: float weights are what SGLang, vLLM and z-lab read,
+        # and what --q-bits quantizes
+        draft = load_draft(path, dtype=DRAFT_DTYPES[dtype], dequantize=True)
         bar.advance(task)
         quantization = quantize_draft(draft, q_bits, q_group_size, quantize_fc) if q_bits else None
         mx.eval(draft.parameters())

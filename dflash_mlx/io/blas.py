@@ -57,3 +57,12 @@ def _find():
 
 def status() -> str:
     return _status
+
+
+def slow_notice() -> str | None:
+    """One line for a Linux user whose fp32 runs on the reference BLAS for want of OpenBLAS
+    (None when OpenBLAS is in use, not applicable, or turned off on purpose)."""
+    if not _status.startswith("not found"):
+        return None
+    return ("note: MLX is using its bundled single-threaded reference BLAS, ~10x slower for float32 on "
+            "this CPU; install OpenBLAS (Debian/Ubuntu: sudo apt install libopenblas0-pthread) and rerun")
