@@ -286,7 +286,7 @@ def test_tool_calls_reach_the_response(served, monkeypatch):
         for i, text in enumerate(pieces):
             yield SimpleNamespace(text=text, finish_reason="stop" if i == len(pieces) - 1 else None,
                                   prompt_tokens=len(prompt), generation_tokens=i + 1, tau=1.0,
-                                  acceptance_histogram=[i + 1], widths=[1] * (i + 1), block_size=4,
+                                  acceptance_histogram=[i + 1], widths=[1] * (i + 1), sources=["plain"] * (i + 1), block_size=4,
                                   generation_tps=1.0, cached_tokens=0)
 
     monkeypatch.setattr(worker, "stream_generate", scripted)
