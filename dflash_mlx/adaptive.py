@@ -131,10 +131,11 @@ class AcceptanceEstimate:
         return rates
 
     def informed_rates(self, min_trials: float = 1.0) -> list[Optional[float]]:
-        """Rates of the positions with evidence behind them (None elsewhere): a prior that
-        lets positions never tried inherit the estimate of the position before them."""
+        """The first position's rate, then the rates of the positions with evidence behind them
+        (None elsewhere): a prior that lets positions never tried inherit the estimate of the
+        position before them."""
         rates = self.rates()
-        return [r if t >= min_trials else None for r, t in zip(rates, self.trials)]
+        return rates[:1] + [r if t >= min_trials else None for r, t in zip(rates[1:], self.trials[1:])]
 
     def age(self) -> None:
         """One cycle has passed: older evidence counts for less."""
@@ -147,12 +148,13 @@ class AcceptanceEstimate:
             self.trials[k] += 1
             self.hits[k] += k < accepted
 
-    def expected_committed(self, L: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.rates()[: L - 1]:
+    def expected_committed(self) -> list[float]:
+        """[L] = E[committed | width L], for L = 0 .. max_width + 1 ([0] unused)."""
+        run, sums = 1.0, [1.0, 1.0]
+        for a in self.rates():
             run *= a
-            total += run
-        return total
+            sums.append(sums[-1] + run)
+        return sums
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,6 @@ class WidthChooser:
         self.long_run: dict[str, AcceptanceEstimate] = {}  # per kind: "dflash", "lookup1", "lookup2", ...
         self.acceptance: dict[str, AcceptanceEstimate] = {}
         self._time_ratio = {"plain": 1.0, "dflash": 1.0, "lookup": 1.0}  # measured / modelled cycle time
-        self._since_draft = 0
         self.start()
 
     def start(self) -> None:
@@ -200,17 +201,12 @@ class WidthChooser:
             if kind not in self.long_run:
                 self.long_run[kind] = AcceptanceEstimate(self.max_width, prior=self.prior, decay=self.long_run_decay)
             long_run = self.long_run[kind]
-            self.acceptance[kind] = AcceptanceEstimate(self.max_width,
-                                                       prior=[long_run.rates()[0]] + long_run.informed_rates()[1:])
+            self.acceptance[kind] = AcceptanceEstimate(self.max_width, prior=long_run.informed_rates())
         return self.acceptance[kind]
 
     def penalty(self, source: str) -> float:
         """How much costlier `source`'s cycles really are, relative to plain ones, than modelled."""
         return self._time_ratio[source] / self._time_ratio["plain"]
-
-    def throughput(self, plan: Plan, params: Optional[SamplingParams] = None) -> float:
-        expected = self.estimate(plan.kind).expected_committed(plan.width) if plan.width > 1 else 1.0
-        return expected / self.seconds(plan, params)
 
     def seconds(self, plan: Plan, params: Optional[SamplingParams] = None) -> float:
         """The expected wall time of `plan`'s cycle."""
@@ -228,13 +224,8 @@ class WidthChooser:
              lookup: Match = NO_MATCH) -> Plan:
         plans = self.candidates(limit, lookup)
         # every cycle runs this: each kind's expected commits are summed once, not per width
-        expected = {"plain": [1.0, 1.0]}
-        for kind in {plan.kind for plan in plans} - {"plain"}:
-            run, sums = 1.0, [1.0, 1.0]
-            for a in self.estimate(kind).rates():
-                run *= a
-                sums.append(sums[-1] + run)
-            expected[kind] = sums  # [L] = E[committed | width L]
+        expected = {kind: [1.0, 1.0] if kind == "plain" else self.estimate(kind).expected_committed()
+                    for kind in {plan.kind for plan in plans}}
         return max(plans, key=lambda plan: expected[plan.kind][plan.width] / self.seconds(plan, params))
 
     def choose(self, limit: Optional[int] = None, params: Optional[SamplingParams] = None,
