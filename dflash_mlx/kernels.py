@@ -27,6 +27,7 @@ import mlx.core as mx
 BACKENDS = ("auto", "metal", "mlx")
 ATTENTION_SIMDGROUPS = 8
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+THREADGROUP_MEMORY = 32 * 1024  # bytes per threadgroup on Apple GPUs
 
 
 # ----------------------------------------------------------------- dispatch
@@ -52,7 +53,11 @@ def _warn_once(message: str):
 
 def _metal_fits(name: str, head_dim: int, dtype: mx.Dtype) -> bool:
     if head_dim % 32 == 0 and dtype in KERNEL_DTYPES:
-        return True
+        if name != "block_attention" or attention_tiling(head_dim, dtype) is not None:
+            return True
+        _warn_once(f"dflash-mlx: block_attention Metal kernel: head_dim {head_dim} in {dtype} needs more than "
+                   f"{THREADGROUP_MEMORY // 1024} KiB of threadgroup memory; using the slower MLX twin")
+        return False
     _warn_once(f"dflash-mlx: {name} Metal kernel needs head_dim % 32 == 0 and a float dtype "
                f"(got {head_dim}, {dtype}); using the slower MLX twin")
     return False
@@ -147,21 +152,38 @@ def block_attention_mlx(queries, keys, values, context: Optional[ContextSpan], *
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
+def attention_tiling(head_dim: int, dtype: mx.Dtype) -> Optional[tuple[int, int]]:
+    """(query rows per simdgroup, keys per chunk) of the block attention kernel, or None when
+    even the smallest chunk of keys and values would overflow threadgroup memory.  The largest
+    chunk that leaves room for a second resident threadgroup is preferred."""
+    rows = 8 if head_dim <= 128 else 4  # q and the accumulator stay in registers
+    fitting = [chunk for chunk in (32, 16, 8) if 2 * chunk * head_dim * dtype.size <= THREADGROUP_MEMORY]
+    roomy = [chunk for chunk in fitting if 2 * chunk * head_dim * dtype.size <= THREADGROUP_MEMORY // 2]
+    if not fitting:
+        return None
+    return rows, (roomy or fitting)[0]
+
+
 def block_attention_launch(queries, keys, values, context: Optional[ContextSpan], *, scale, causal=False,
                            window=None) -> Launch:
     B, HQ, L, D = queries.shape
     HKV = keys.shape[1]
+    tiling = attention_tiling(D, queries.dtype)
+    if tiling is None:
+        raise ValueError(f"block_attention: head_dim {D} in {queries.dtype} does not fit in threadgroup memory")
+    rows, chunk = tiling
+    tiles = -(-(HQ // HKV) * L // (ATTENTION_SIMDGROUPS * rows))
     if context is None:  # nothing to read: any buffer of the right layout will do
         context = ContextSpan(keys, values, 0, 0)
-    geometry = mx.array([context.keys.shape[2], context.start, context.length, window or 0], dtype=mx.int32)
+    geometry = mx.array([context.keys.shape[2], context.start, context.length, window or 0, L], dtype=mx.int32)
     return Launch(
         kernel="block_attention",
         inputs=dict(queries=queries, keys=keys, values=values, ctx_keys=context.keys,
                     ctx_values=context.values, geometry=geometry, scale=float(scale)),
         outputs=dict(out=(queries.shape, queries.dtype)),
-        template=[("T", queries.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("L", L),
-                  ("SIMDGROUPS", ATTENTION_SIMDGROUPS), ("CAUSAL", bool(causal))],
-        grid=(32 * ATTENTION_SIMDGROUPS, L, B * HQ),
+        template=[("T", queries.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("SIMDGROUPS", ATTENTION_SIMDGROUPS),
+                  ("ROWS", rows), ("CHUNK", chunk), ("CAUSAL", bool(causal))],
+        grid=(32 * ATTENTION_SIMDGROUPS, tiles, B * HKV),
         threadgroup=(32 * ATTENTION_SIMDGROUPS, 1, 1),
     )
 
@@ -214,10 +236,10 @@ def gated_delta_tape_launch(q, k, v, g, beta, state) -> Launch:
     return Launch(
         kernel="gated_delta_tape",
         inputs=dict(q=q, k=k, v=v, g=g.astype(mx.float32), beta=beta.astype(mx.float32),
-                    state_in=state.astype(mx.float32)),
+                    state_in=state.astype(mx.float32), steps=T),
         outputs=dict(y=((B, T, HV, DV), q.dtype), state_out=((B, HV, DV, DK), mx.float32),
                      delta=((B, T, HV, DV), mx.float32)),
-        template=[("T_IN", q.dtype), ("DK", DK), ("DV", DV), ("HK", HK), ("HV", HV), ("STEPS", T)],
+        template=[("T_IN", q.dtype), ("DK", DK), ("DV", DV), ("HK", HK), ("HV", HV)],
         grid=(32, DV, B * HV),
         threadgroup=(32, 4, 1),
     )

@@ -16,11 +16,12 @@
 //   v           [B, T, HV, DV]
 //   g, beta     [B, T, HV]       float32 decay and write strength
 //   state_in    [B, HV, DV, DK]  float32
+//   steps       int: T, a run-time value, so one compiled kernel serves every block width
 // Outputs
 //   y           [B, T, HV, DV]   T_IN
 //   state_out   [B, HV, DV, DK]  float32
 //   delta       [B, T, HV, DV]   float32
-// Template: T_IN, DK (multiple of 32), DV, HK, HV, STEPS.
+// Template: T_IN, DK (multiple of 32), DV, HK, HV.
 // Launch: grid (32, DV, B * HV), threadgroup (32, 4, 1): one simdgroup per value row.
 
 constexpr int PER_LANE = DK / 32;
@@ -38,9 +39,9 @@ for (int e = 0; e < PER_LANE; ++e) {
   s[e] = state_in[state_offset + e];
 }
 
-for (int t = 0; t < STEPS; ++t) {
-  const int qk_offset = ((b * STEPS + t) * HK + hk) * DK + lane * PER_LANE;
-  const int gate = (b * STEPS + t) * HV + hv;
+for (int t = 0; t < steps; ++t) {
+  const int qk_offset = ((b * steps + t) * HK + hk) * DK + lane * PER_LANE;
+  const int gate = (b * steps + t) * HV + hv;
   const int value = gate * DV + row;
   const float decay = g[gate];
 

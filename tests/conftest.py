@@ -4,9 +4,27 @@ import sys
 from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (must precede any mlx import)
+import mlx.core as mx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_metal(request):
+    """On a Mac, tests not marked `metal` run on the CPU, as they do everywhere else: their fp32
+    exactness checks compare target passes of different shapes, which MLX's CPU backend computes
+    bit-reproducibly and a GPU's shape-specialised matmul kernels need not.  Tests marked `metal`
+    keep the GPU."""
+    if request.node.get_closest_marker("metal") or not mx.metal.is_available():
+        yield
+        return
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(previous)
 
 
 @pytest.fixture(scope="session")

@@ -1,31 +1,151 @@
-"""Run a kernels.Launch on this CPU: the Metal kernel body compiled as C++
-against tests/msl/metal_emulation.h, with the signature mx.fast.metal_kernel
-would generate (inputs, outputs, template constants, thread attributes)."""
+"""Run a kernels.Launch on this CPU.
+
+The Metal source is the one mx.fast.metal_kernel itself generates for the launch
+(signature, address spaces, template instantiation): mx.export_function records
+the call without a Metal device, through the same kernels.run_metal the decoder
+uses.  That source is compiled as C++ against tests/msl/metal_emulation.h and
+run over the grid with Metal's dispatchThreads semantics; device reads are
+counted per input buffer."""
 
 import hashlib
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from dflash_mlx import kernels
 
+launch_on_metal = kernels.run_metal  # the real launch, kept before tests route kernels.run_metal here
+
 HEADER_DIR = Path(__file__).parent / "msl"
 BUILD_DIR = Path(tempfile.gettempdir()) / "dflash-mlx-msl-emulation"
-ATTRIBUTES = """uint3 thread_position_in_grid = t.position_in_grid;
-uint3 thread_position_in_threadgroup = t.position_in_threadgroup;
-uint3 threadgroup_position_in_grid = t.threadgroup_position;
-uint thread_index_in_threadgroup = t.index_in_threadgroup;
-uint simdgroup_index_in_threadgroup = t.simdgroup;
-uint thread_index_in_simdgroup = t.lane;"""
+MAX_THREADS_PER_THREADGROUP = 1024
+# Apple's SDK only declares the (deprecated) ucontext routines the fibers use under _XOPEN_SOURCE
+PLATFORM_FLAGS = ["-D_XOPEN_SOURCE=600", "-Wno-deprecated-declarations"] if sys.platform == "darwin" else []
 
-C_TYPES = {mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t", mx.int32: "int",
-           mx.uint32: "uint", mx.bool_: "bool"}
+# Metal thread attributes -> fields of emu::Thread
+THREAD_ATTRIBUTES = {
+    "thread_position_in_grid": "position_in_grid",
+    "thread_position_in_threadgroup": "position_in_threadgroup",
+    "threadgroup_position_in_grid": "threadgroup_position",
+    "threads_per_threadgroup": "threads_per_threadgroup",
+    "thread_index_in_threadgroup": "index_in_threadgroup",
+    "simdgroup_index_in_threadgroup": "simdgroup",
+    "thread_index_in_simdgroup": "lane",
+}
 RAW_VIEW = {mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
+NUMPY = {mx.float32: "float32", mx.uint16: "uint16", mx.int32: "int32", mx.uint32: "uint32", mx.bool_: "bool"}
+PARAMETER = re.compile(r"^\s*(?P<decl>.+?)\s*(?P<name>\w+) \[\[(?P<attribute>\w+)(?:\((?P<slot>\d+)\))?\]\],?$")
+
+
+@dataclass
+class Generated:
+    """What mx.fast.metal_kernel built for one launch."""
+
+    name: str
+    source: str
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+
+
+@dataclass
+class Emulation:
+    outputs: list[mx.array]
+    bytes_read: dict[str, int]  # device-memory bytes read per input
+
+
+def generated(launch: kernels.Launch) -> Generated:
+    """The kernel MLX generates for `launch`, recorded by mx.export_function (no Metal needed)."""
+    found = []
+
+    def record(node):
+        if node.get("name") == "CustomKernel":
+            arguments = node["arguments"]
+            found.append(Generated(arguments[0], arguments[1], tuple(arguments[2:5]), tuple(arguments[5:8])))
+
+    mx.eval([value for value in launch.inputs.values() if isinstance(value, mx.array)])  # constants, not a graph
+    mx.export_function(record, lambda: launch_on_metal(launch))
+    (kernel,) = found
+    return kernel
+
+
+def _element_type(decl: str) -> str:
+    """`const device float*` -> `float`."""
+    return " ".join(re.sub(r"\b(const|device|constant)\b|[*&]", " ", decl).split())
+
+
+def cpp_program(kernel: Generated, inputs: list, outputs: list) -> str:
+    """C++ source: MLX's generated kernel with its attributes resolved by the emulator, and a
+    main() that maps buffer files, runs the grid and writes outputs and read counts."""
+    head, rest = kernel.source.split("[[kernel]] void ", 1)
+    signature, rest = rest.split(") {\n", 1)
+    body, instantiation = rest.rsplit("\n}\n", 1)
+    template_args = re.search(r"decltype\(\w+(<.*>)\)", instantiation)
+    parameters, arguments = [], []
+    buffers = [*inputs, *outputs]
+    for line in signature.split("\n")[1:]:
+        match = PARAMETER.match(line)
+        if match is None:
+            raise NotImplementedError(f"emulator: cannot read kernel parameter {line.strip()!r}")
+        decl, name, attribute = match["decl"], match["name"], match["attribute"]
+        if attribute == "buffer":
+            slot, element = int(match["slot"]), _element_type(decl)
+            if decl.endswith("&"):  # a scalar, passed by value in constant space
+                parameters.append(f"const {element}& {name}")
+                arguments.append(f"*reinterpret_cast<const {element}*>(files[{slot}].data())")
+            else:
+                const = "const " if decl.startswith("const ") else ""
+                device = "true" if "device" in decl.split() else "false"
+                parameters.append(f"emu::Buffer<{const}{element}> {name}")
+                arguments.append(f"{{reinterpret_cast<{const}{element}*>(files[{slot}].data()), "
+                                 f"{int(np.prod(buffers[slot][0]))}, {slot}, \"{name}\", {device}}}")
+        elif attribute in THREAD_ATTRIBUTES:
+            parameters.append(f"{decl} {name}")
+            arguments.append(f"t.{THREAD_ATTRIBUTES[attribute]}")
+        else:
+            raise NotImplementedError(f"emulator: thread attribute {attribute!r} is not emulated")
+    call = "kernel_function" + (template_args[1] if template_args else "")
+    parameter_list = ",\n  ".join(parameters)
+    grid, group = kernel.grid, tuple(min(t, g) for t, g in zip(kernel.threadgroup, kernel.grid))  # as MLX does
+    return f"""#include <fstream>
+#include <iterator>
+#include "metal_emulation.h"  // last: it defines the address-space keywords as macros
+
+namespace kernel_scope {{
+{head}void kernel_function(
+  {parameter_list}) {{
+{body}
+}}
+}}  // namespace kernel_scope
+
+int main(int argc, char** argv) {{
+  // argv: {len(buffers)} buffer files (inputs, then outputs), read and written in place
+  std::vector<std::vector<char>> files;
+  for (int i = 1; i <= {len(buffers)}; ++i) {{
+    std::ifstream in(argv[i], std::ios::binary);
+    files.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }}
+  try {{
+    emu::dispatch({{{grid[0]}, {grid[1]}, {grid[2]}}}, {{{group[0]}, {group[1]}, {group[2]}}},
+                  [&](emu::Thread& t) {{ kernel_scope::{call}({", ".join(arguments)}); }});
+  }} catch (const std::exception& e) {{
+    fprintf(stderr, "%s\\n", e.what());
+    return 1;
+  }}
+  for (int i = {len(inputs) + 1}; i <= {len(buffers)}; ++i) {{
+    std::ofstream out(argv[i], std::ios::binary);
+    out.write(files[i - 1].data(), files[i - 1].size());
+  }}
+  for (int i = 0; i < {len(inputs)}; ++i) printf("%llu\\n", emu::bytes_read()[i]);
+  return 0;
+}}
+"""
 
 
 def compiler() -> str:
@@ -35,90 +155,27 @@ def compiler() -> str:
     raise RuntimeError("the Metal emulation needs a C++ compiler (g++ or clang++) on PATH")
 
 
-def _as_array(value) -> mx.array:
-    if isinstance(value, mx.array):
-        return value
-    return mx.array(value, dtype=mx.float32 if isinstance(value, float) else mx.int32)
-
-
-def _template_line(name, value) -> str:
-    if isinstance(value, mx.Dtype):
-        return f"typedef {C_TYPES[value]} {name};"
-    if isinstance(value, bool):
-        return f"constexpr bool {name} = {'true' if value else 'false'};"
-    return f"constexpr int {name} = {int(value)};"
-
-
-def program(launch: kernels.Launch, kernel_file: Path) -> str:
-    """C++ source: the kernel body inside a function with MLX's generated signature,
-    and a main() that reads inputs from files, runs the grid and writes outputs."""
-    inputs = {name: _as_array(value) for name, value in launch.inputs.items()}
-    params, binds = [], []
-    for i, (name, array) in enumerate(inputs.items()):
-        ctype = C_TYPES[array.dtype]
-        params.append(f"const constant {ctype}& {name}" if array.ndim == 0 else f"const device {ctype}* {name}")
-        binds.append(f"*reinterpret_cast<const {ctype}*>(buffers[{i}].data())" if array.ndim == 0
-                     else f"reinterpret_cast<const {ctype}*>(buffers[{i}].data())")
-    for j, (name, (_, dtype)) in enumerate(launch.outputs.items()):
-        params.append(f"device {C_TYPES[dtype]}* {name}")
-        binds.append(f"reinterpret_cast<{C_TYPES[dtype]}*>(buffers[{len(inputs) + j}].data())")
-    template = "\n".join(_template_line(name, value) for name, value in launch.template)
-    n_buffers = len(inputs) + len(launch.outputs)
-    return f"""#include <cstdio>
-#include <fstream>
-#include <iterator>
-#include "metal_emulation.h"  // last: it defines the address-space keywords as macros
-
-namespace kernel_scope {{
-{template}
-
-void body({", ".join(params)}, const emu::Thread& t) {{
-{ATTRIBUTES}
-#include "{kernel_file}"
-}}
-}}  // namespace kernel_scope
-
-int main(int argc, char** argv) {{
-  // argv: {n_buffers} buffer files (inputs, then outputs), read and written in place
-  std::vector<std::vector<char>> buffers;
-  for (int i = 1; i <= {n_buffers}; ++i) {{
-    std::ifstream in(argv[i], std::ios::binary);
-    buffers.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }}
-  try {{
-    emu::dispatch({{{launch.grid[0]}, {launch.grid[1]}, {launch.grid[2]}}},
-                  {{{launch.threadgroup[0]}, {launch.threadgroup[1]}, {launch.threadgroup[2]}}},
-                  [&](emu::Thread& t) {{ kernel_scope::body({", ".join(binds)}, t); }});
-  }} catch (const std::exception& e) {{
-    fprintf(stderr, "%s\\n", e.what());
-    return 1;
-  }}
-  for (int i = {len(inputs) + 1}; i <= {n_buffers}; ++i) {{
-    std::ofstream out(argv[i], std::ios::binary);
-    out.write(buffers[i - 1].data(), buffers[i - 1].size());
-  }}
-  return 0;
-}}
-"""
-
-
-def build(launch: kernels.Launch, source_dir: Optional[Path] = None) -> Path:
-    kernel_file = (source_dir or kernels._metal_dir()) / f"{launch.kernel}.metal"
-    source = program(launch, kernel_file)
-    digest = hashlib.sha1((source + kernel_file.read_text()
-                           + (HEADER_DIR / "metal_emulation.h").read_text()).encode()).hexdigest()[:16]
-    binary = BUILD_DIR / f"{launch.kernel}-{digest}"
+def build(source: str, label: str) -> Path:
+    digest = hashlib.sha1((source + (HEADER_DIR / "metal_emulation.h").read_text()).encode()).hexdigest()[:16]
+    binary = BUILD_DIR / f"{label}-{digest}"
     if not binary.exists():
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         cpp = binary.with_suffix(".cpp")
         cpp.write_text(source)
         result = subprocess.run([compiler(), "-std=c++17", "-O1", "-Wall", "-Wno-unused-variable",
-                                 "-Wno-unused-parameter", "-I", str(HEADER_DIR), str(cpp), "-o", str(binary) + ".tmp"],
+                                 "-Wno-unused-parameter", "-Wno-unused-but-set-variable", *PLATFORM_FLAGS,
+                                 "-I", str(HEADER_DIR), str(cpp), "-o", str(binary) + ".tmp"],
                                 capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"emulated {launch.kernel} does not compile:\n{result.stderr}")
+            raise RuntimeError(f"emulated {label} does not compile:\n{result.stderr}")
         Path(str(binary) + ".tmp").rename(binary)
     return binary
+
+
+def _as_array(value) -> mx.array:
+    if isinstance(value, mx.array):
+        return value
+    return mx.array(value, dtype=mx.float32 if isinstance(value, float) else mx.int32)
 
 
 def _to_bytes(array: mx.array) -> bytes:
@@ -127,11 +184,14 @@ def _to_bytes(array: mx.array) -> bytes:
     return np.ascontiguousarray(np.array(array)).tobytes()
 
 
-def run_emulated(launch: kernels.Launch, source_dir: Optional[Path] = None) -> list[mx.array]:
-    """The launch's outputs, computed by the emulated kernel (metal/<kernel>.metal,
-    or from `source_dir`)."""
-    binary = build(launch, source_dir)
+def emulate(launch: kernels.Launch) -> Emulation:
+    """Run the launch's generated kernel on this CPU: its outputs and device traffic."""
+    kernel = generated(launch)
+    if np.prod(kernel.threadgroup) > MAX_THREADS_PER_THREADGROUP:
+        raise ValueError(f"threadgroup {kernel.threadgroup} exceeds {MAX_THREADS_PER_THREADGROUP} threads")
     inputs = [_as_array(v) for v in launch.inputs.values()]
+    shapes = [(a.shape, a.dtype) for a in inputs] + list(launch.outputs.values())
+    binary = build(cpp_program(kernel, shapes[:len(inputs)], shapes[len(inputs):]), launch.kernel)
     with tempfile.TemporaryDirectory() as tmp:
         files = []
         for i, array in enumerate(inputs):
@@ -146,9 +206,12 @@ def run_emulated(launch: kernels.Launch, source_dir: Optional[Path] = None) -> l
         outputs = []
         for path, (shape, dtype) in zip(files[len(inputs):], launch.outputs.values()):
             raw = RAW_VIEW.get(dtype, dtype)
-            data = np.frombuffer(path.read_bytes(), dtype=np.dtype(_NUMPY[raw])).reshape(shape)
+            data = np.frombuffer(path.read_bytes(), dtype=np.dtype(NUMPY[raw])).reshape(shape)
             outputs.append(mx.array(data).view(dtype) if raw != dtype else mx.array(data))
-        return outputs
+    counts = [int(line) for line in result.stdout.split()]
+    return Emulation(outputs, dict(zip(launch.inputs, counts)))
 
 
-_NUMPY = {mx.float32: "float32", mx.uint16: "uint16", mx.int32: "int32", mx.uint32: "uint32"}
+def run_emulated(launch: kernels.Launch) -> list[mx.array]:
+    """The launch's outputs, computed by the emulated kernel."""
+    return emulate(launch).outputs

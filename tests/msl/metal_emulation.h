@@ -9,6 +9,11 @@
 //   simd reductions     simd_sum over the active lanes of a simdgroup; lanes
 //                       reaching different synchronisation points is reported
 //   storage types       half and bfloat16_t (round to nearest even), float math
+//   buffers             device and constant pointers become emu::Buffer views:
+//                       an out-of-bounds access stops the run naming the
+//                       buffer, and device reads are counted per buffer
+//   dispatch            dispatchThreads semantics: a grid need not be a
+//                       multiple of the threadgroup; edge groups are smaller
 //
 // Threads are cooperative fibers (ucontext) run in lockstep phases: each runs
 // to its next synchronisation point, then the scheduler resolves the simd
@@ -18,6 +23,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -107,6 +114,31 @@ enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 
 namespace emu {
 
+// Bytes read from each device buffer during the run, by buffer index.
+inline std::vector<unsigned long long>& bytes_read() {
+  static std::vector<unsigned long long> counts(64, 0);
+  return counts;
+}
+
+// A kernel's view of one buffer argument: bounds-checked, reads counted.
+template <typename T>
+struct Buffer {
+  T* data;
+  long size;
+  int index;
+  const char* name;
+  bool counted;  // device memory (constant-space arguments are not device traffic)
+
+  T& operator[](long i) const {
+    if (i < 0 || i >= size) {
+      fprintf(stderr, "out-of-bounds access %s[%ld] (size %ld)\n", name, i, size);
+      std::exit(3);
+    }
+    if (counted) bytes_read()[index] += sizeof(T);
+    return data[i];
+  }
+};
+
 enum class Wait { running, barrier, simd, done };
 
 struct Thread {
@@ -115,7 +147,7 @@ struct Thread {
   Wait wait = Wait::running;
   float value = 0.0f;
   float result = 0.0f;
-  uint3 position_in_grid, position_in_threadgroup, threadgroup_position;
+  uint3 position_in_grid, position_in_threadgroup, threadgroup_position, threads_per_threadgroup;
   uint index_in_threadgroup, simdgroup, lane;
 };
 
@@ -201,24 +233,26 @@ inline bool resolve(Group& g) {
   return true;
 }
 
-// Run `body` once per thread of a dispatchThreads(grid, threadgroup) launch.
+// Run `body` once per thread of a dispatchThreads(grid, threadgroup) launch:
+// ceil(grid / size) threadgroups, those at the grid's edge cut to what is left.
 inline void dispatch(uint3 grid, uint3 size, std::function<void(Thread&)> body) {
-  if (grid.x % size.x || grid.y % size.y || grid.z % size.z)
-    throw std::runtime_error("emulator: grid must be a multiple of the threadgroup size");
   Group g;
   g.body = body;
   group() = &g;
-  uint count = size.x * size.y * size.z;
-  g.threads.resize(count);
-  for (Thread& t : g.threads) t.stack.resize(1 << 16);
-  for (uint gz = 0; gz < grid.z / size.z; ++gz)
-    for (uint gy = 0; gy < grid.y / size.y; ++gy)
-      for (uint gx = 0; gx < grid.x / size.x; ++gx) {
+  for (uint gz = 0; gz * size.z < grid.z; ++gz)
+    for (uint gy = 0; gy * size.y < grid.y; ++gy)
+      for (uint gx = 0; gx * size.x < grid.x; ++gx) {
+        uint3 local_size = {std::min(size.x, grid.x - gx * size.x), std::min(size.y, grid.y - gy * size.y),
+                            std::min(size.z, grid.z - gz * size.z)};
+        uint count = local_size.x * local_size.y * local_size.z;
+        g.threads.resize(count);  // fibers and their stacks are reused from group to group
         for (uint i = 0; i < count; ++i) {
           Thread& t = g.threads[i];
-          uint3 local = {i % size.x, (i / size.x) % size.y, i / (size.x * size.y)};
+          if (t.stack.empty()) t.stack.resize(1 << 16);
+          uint3 local = {i % local_size.x, (i / local_size.x) % local_size.y, i / (local_size.x * local_size.y)};
           t.position_in_threadgroup = local;
           t.threadgroup_position = {gx, gy, gz};
+          t.threads_per_threadgroup = local_size;
           t.position_in_grid = {gx * size.x + local.x, gy * size.y + local.y, gz * size.z + local.z};
           t.index_in_threadgroup = i;
           t.simdgroup = i / 32;
