@@ -56,7 +56,7 @@ def our_cycles(model, prompt: mx.array, width: int, cycles: int = 8) -> tuple[fl
     counts, committed = [], []
     for _ in range(cycles):
         if width == 1:
-            nxt = plain_step(model, token, tcache, context, params, None)
+            nxt, _ = plain_step(model, token, tcache, context, params, None)
             counts.append(primitives(nxt, *states(tcache.layers)))
             mx.eval(nxt)
             token, n = nxt, 0

@@ -1,9 +1,11 @@
 """A bounded load test of `dflash-mlx serve`: N clients x M requests, mixed streamed and
-not, some streams dropped after their first chunk.  Every greedy response that runs
-to the end must equal its offline `generate()` result; the server's memory must come
-back near where it started.  Prints throughput, latency and errors.
+not, some streams dropped after their first chunk, repeated for R rounds.  Every greedy
+response that runs to the end must equal its offline `generate()` result; the server's
+memory must come back near where it started and its resident size must stop growing
+from round to round (a leak would sink a long-running server).  Prints throughput,
+latency, errors and memory per round.
 
-    python bench/serve_load.py --clients 8 --requests 25 --max-tokens 8
+    python bench/serve_load.py --clients 8 --requests 25 --max-tokens 8 --rounds 4
 """
 
 import argparse
@@ -33,6 +35,7 @@ def main():
     parser.add_argument("--requests", type=int, default=25)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--drop", type=float, default=0.1, help="share of streams dropped after one chunk")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the load; RSS is printed after each")
     args = parser.parse_args()
 
     model, tokenizer = load(None)
@@ -40,12 +43,38 @@ def main():
     server = make_app(model, tokenizer, "SmolLM2-135M-Instruct", max_queue=64)
     http, port = serve_in_background(server)
     mx.clear_cache()
-    active_before = mx.get_active_memory() / 1e6
+    active_before, rss_before = mx.get_active_memory() / 1e6, resident_mb()
+    failed, resident = False, []
+    for round_ in range(1, args.rounds + 1):
+        failed |= load_round(args, port, server, expected, round_)
+        resident.append(resident_mb())
+        print(f"round {round_}: MLX active memory {active_before:.0f} MB before, "
+              f"{mx.get_active_memory() / 1e6:.0f} MB after; resident {rss_before:.0f} MB before, "
+              f"{resident[-1]:.0f} MB after")
+    if len(resident) > 2:
+        growth = (resident[-1] - resident[1]) / resident[1]
+        print(f"resident size from round 2 to {len(resident)}: {100 * growth:+.1f}% "
+              f"({'plateau' if growth < 0.05 else 'STILL GROWING'})")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
+    http.should_exit = True
+    sys.exit(1 if failed else 0)
+
+
+def resident_mb() -> float:
+    """Current resident set size (Linux /proc; elsewhere the peak, which is what getrusage has)."""
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        return int(statm.read_text().split()[1]) * resource.getpagesize() / 1e6
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e6 if sys.platform == "darwin" else 1e3)
+
+
+def load_round(args, port: int, server, expected: dict, round_: int) -> bool:
+    """One round of the load; prints its figures; True if a response was wrong or failed."""
     latencies, wrong, errors, dropped = [], [], [], [0]
     lock = threading.Lock()
 
     def client(seed: int):
-        rng = random.Random(seed)
+        rng = random.Random(seed + 1000 * round_)
         local = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=3)
         for _ in range(args.requests):
             prompt = rng.choice(PROMPTS)
@@ -85,18 +114,14 @@ def main():
         time.sleep(0.1)
     server.prompt_cache.entries.clear()
     mx.clear_cache()
-    active_after = mx.get_active_memory() / 1e6
     done = len(latencies)
-    print(f"{args.clients} clients x {args.requests} requests ({args.max_tokens} tokens each): {done} completed, "
-          f"{dropped[0]} dropped by the client, {len(errors)} errors, {len(wrong)} wrong outputs")
-    print(f"{seconds:.1f} s, {done / seconds:.2f} requests/s, {done * args.max_tokens / seconds:.1f} tokens/s; "
+    print(f"round {round_}: {args.clients} clients x {args.requests} requests ({args.max_tokens} tokens each): "
+          f"{done} completed, {dropped[0]} dropped by the client, {len(errors)} errors, {len(wrong)} wrong outputs")
+    print(f"  {seconds:.1f} s, {done / seconds:.2f} requests/s, {done * args.max_tokens / seconds:.1f} tokens/s; "
           f"latency median {median(latencies):.2f} s, max {max(latencies):.2f} s")
-    print(f"MLX active memory {active_before:.0f} MB before, {active_after:.0f} MB after; "
-          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
-    http.should_exit = True
     if wrong or errors:
-        print("FAILED:", (wrong + errors)[:3])
-        sys.exit(1)
+        print("  FAILED:", (wrong + errors)[:3])
+    return bool(wrong or errors)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ blas.load_openblas()  # must run before anything imports mlx.core
 from .api import GenerationResponse, format_prompt, generate, load, stream_generate  # noqa: E402
 from .drafters import DFlashDraftModel, DraftArgs, load_draft  # noqa: E402
 from .engine import DecodeStats, DFlashModel  # noqa: E402
+from .grammar import Grammar  # noqa: E402
 from .target import Target  # noqa: E402
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "stream_generate",
     "format_prompt",
     "GenerationResponse",
+    "Grammar",
     "DFlashModel",
     "DecodeStats",
     "DFlashDraftModel",

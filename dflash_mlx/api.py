@@ -15,8 +15,9 @@ from .drafters import load_draft
 from .io import blas
 from .io.progress import console
 from .engine import DecodeStats, DFlashModel, decode
+from .grammar import Grammar
 from .prompt_cache import PromptCache
-from .sampling import SamplingParams, check_seed
+from .sampling import SamplingParams, TokenLogprob, check_seed
 from .io.storage import cache_dir, fetch
 from .target import Target
 
@@ -41,6 +42,8 @@ class GenerationResponse:
     sources: list[str]  # what proposed each cycle so far: "plain", "dflash" or "lookup" (prompt lookup)
     adaptive: bool = False  # the width was chosen per cycle
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache
+    logprobs: Optional[list[TokenLogprob]] = None  # of `tokens`, when stream_generate was asked for them
+    stop_sequence: Optional[str] = None  # the stop string that ended the text, if one did
 
 
 def load(
@@ -177,15 +180,17 @@ class _StopText:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
 
-    def push(self, text: str) -> tuple[str, bool]:
+    def push(self, text: str) -> tuple[str, Optional[str]]:
+        """The text safe to show, and the stop string found (the earliest), if any."""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        hits = sorted((i, s) for s in self.stop if (i := self.pending.find(s)) >= 0)
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
+            at, found = hits[0]
+            out, self.pending = self.pending[:at], ""
+            return out, found
         cut = max(0, len(self.pending) - self.hold)
         out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
+        return out, None
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
@@ -258,11 +263,16 @@ def stream_generate(
     block_size: Optional[int] = None,
     stop: Union[str, Sequence[str]] = (),
     prompt_cache: Optional[PromptCache] = None,
+    logprobs: Optional[int] = None,
+    grammar: Optional[Grammar] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per decode cycle; the last has a finish_reason.
 
     A seeded sampled run gives the same text whatever the verify widths (and the
-    same text as `use_draft=False` with that seed): see sampling.py."""
+    same text as `use_draft=False` with that seed): see sampling.py.  With `logprobs`
+    (0-20: how many top alternatives), each response carries the target's log-probabilities
+    of its tokens.  A `grammar` (grammar.Grammar, e.g. Grammar.json(tokenizer, vocab, schema))
+    constrains the output."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = prompt_ids(tokenizer, prompt, model.target.vocab_size)
@@ -284,6 +294,9 @@ def stream_generate(
             f"prompt ({prompt.size} tokens) + max_tokens ({max_tokens}) exceeds the model's "
             f"context of {limit} tokens; shorten the prompt or lower max_tokens"
         )
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral)
+                                 or not 0 <= logprobs <= 20):
+        raise ValueError(f"logprobs must be an integer between 0 and 20 (top alternatives per token), got {logprobs!r}")
     params = SamplingParams(temp, top_p, top_k)
     seed = check_seed(seed)
     stop = [stop] if isinstance(stop, str) else stop
@@ -298,7 +311,7 @@ def stream_generate(
     generated = 0
     mx.reset_peak_memory()
 
-    def response(text, tokens, accepted, finish):
+    def response(text, tokens, accepted, finish, token_logprobs=None, stop_sequence=None):
         gen_seconds = max(stats.decode_seconds, 1e-9)
         return GenerationResponse(
             text=text,
@@ -318,9 +331,11 @@ def stream_generate(
             sources=list(stats.sources),
             adaptive=model.chooser is not None and model.draft is not None and block_size is None,
             cached_tokens=stats.cached_tokens,
+            logprobs=token_logprobs,
+            stop_sequence=stop_sequence,
         )
 
-    steps = decode(model, prompt, params, max_tokens, block_size, stats, seed, prompt_cache)
+    steps = decode(model, prompt, params, max_tokens, block_size, stats, seed, prompt_cache, logprobs, grammar)
     finish = None
     for step in steps:
         tokens = step.tokens
@@ -328,23 +343,25 @@ def stream_generate(
             if token in eos:
                 tokens, finish = tokens[:i], "stop"
                 break
+        token_logprobs = None if step.logprobs is None else step.logprobs[: len(tokens)]
         for token in tokens:
             detokenizer.add_token(token)
         generated += len(tokens)
-        text, hit_stop = stop_text.push(detokenizer.last_segment)
-        if hit_stop:
+        text, stop_found = stop_text.push(detokenizer.last_segment)
+        if stop_found:
             finish = "stop"
         elif finish is None and generated >= max_tokens:
             finish = "length"
         if finish:
             steps.close()
-            if not hit_stop:
+            if not stop_found:
                 detokenizer.finalize()
-                more, _ = stop_text.push(detokenizer.last_segment)
-                text += more + stop_text.flush()
-            yield response(text, tokens, min(step.accepted, len(tokens)), finish)
+                more, stop_found = stop_text.push(detokenizer.last_segment)
+                text += more if stop_found else more + stop_text.flush()
+                finish = "stop" if stop_found else finish
+            yield response(text, tokens, min(step.accepted, len(tokens)), finish, token_logprobs, stop_found)
             return
-        yield response(text, tokens, step.accepted, None)
+        yield response(text, tokens, step.accepted, None, token_logprobs)
 
 
 def generate(

@@ -27,9 +27,10 @@ from mlx.utils import tree_flatten
 
 from .adaptive import PLAIN, Plan, WidthChooser
 from .drafters import DFlashDraftModel
+from .grammar import Grammar, masked
 from .lookup import PromptLookup
 from .prompt_cache import PromptCache
-from .sampling import Noise, SamplingParams, accept, choose, new_seed
+from .sampling import Noise, SamplingParams, TokenLogprob, accept, choose, new_seed, token_logprobs
 from .target import Target, TargetCache
 
 PREFILL_STEP = 512
@@ -89,6 +90,7 @@ class DecodeStats:
 class Step:
     tokens: list[int]  # committed this cycle, in order
     accepted: int  # how many of them were draft tokens
+    logprobs: Optional[list[TokenLogprob]] = None  # per token, when asked for
 
 
 class Context:
@@ -162,12 +164,13 @@ def draft(model: DFlashModel, last: mx.array, context: Context, width: int, para
 
 
 def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, context: Context,
-               params: SamplingParams, noise: Optional[mx.array]) -> mx.array:
-    """One target pass over `last` alone (nothing to verify or roll back): the next token, lazily.
-    The position's features are kept for the drafter."""
+               params: SamplingParams, noise: Optional[mx.array],
+               mask: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
+    """One target pass over `last` alone (nothing to verify or roll back): the next token and
+    the logits it was chosen from, lazily.  The position's features are kept for the drafter."""
     logits, features = model.target(last.reshape(1, 1).astype(mx.int32), tcache, model.feature_layers)
     context.add(features)
-    return choose(logits[0, -1], params, noise)
+    return choose(masked(logits[0, -1], mask), params, noise), logits[0]
 
 
 def verify(model: DFlashModel, last: mx.array, proposal: mx.array, tcache: TargetCache):
@@ -187,12 +190,17 @@ def decode(
     stats: Optional[DecodeStats] = None,
     seed: Optional[int] = None,
     prompt_cache: Optional[PromptCache] = None,
+    logprobs: Optional[int] = None,
+    grammar: Optional[Grammar] = None,
 ) -> Iterator[Step]:
     """Yield committed tokens cycle by cycle until `max_tokens` are out (the
     caller stops earlier on EOS or stop strings by closing the generator).
     Sampling draws its noise per output position from `seed` (sampling.py), so
     a seeded run gives the same tokens whatever widths the cycles use.  With a
-    `prompt_cache`, the longest prefix it holds is restored instead of prefilled."""
+    `prompt_cache`, the longest prefix it holds is restored instead of prefilled.
+    With `logprobs` (a count of top alternatives, 0 for none), each Step also carries
+    the target's log-probabilities of its tokens, read from the logits that chose them.
+    A `grammar` masks the target's choice at every position (grammar.py)."""
     adaptive = model.draft is not None and block_size is None and model.chooser is not None
     width = 1 if model.draft is None else (block_size or model.draft.block_size)
     stats = stats if stats is not None else DecodeStats()
@@ -201,6 +209,11 @@ def decode(
     context = Context(model)
     position_noise = None if params.greedy else Noise(new_seed() if seed is None else seed, model.target.vocab_size)
     lookup = PromptLookup(prompt.tolist()) if adaptive else None
+    constraint = grammar.start() if grammar is not None else None
+
+    def allowed_next() -> Optional[mx.array]:
+        """The grammar's mask of the next position (None without a grammar)."""
+        return None if constraint is None else constraint.masks([])[0]
     if adaptive:
         model.chooser.start()
 
@@ -210,6 +223,11 @@ def decode(
     def step_noise(position: int) -> Optional[mx.array]:
         return None if position_noise is None else position_noise.at(position, 1)[0]
 
+    def step(committed: list[int], accepted: int, logits: mx.array) -> Step:
+        if constraint is not None:
+            constraint.commit(committed)
+        return Step(committed, accepted, None if logprobs is None else token_logprobs(logits, committed, logprobs))
+
     def plan_for(limit: int) -> Plan:
         if adaptive:
             return model.chooser.choose(limit, params, lookup.propose(limit - 1))
@@ -217,13 +235,13 @@ def decode(
 
     tic = time.perf_counter()
     logits = prefill_prompt(model, prompt, tcache, context, prompt_cache, stats)
-    token = choose(logits, params, step_noise(0))
+    token = choose(masked(logits, allowed_next()), params, step_noise(0))
     token = mx.array(token.item())
     stats.prompt_seconds = time.perf_counter() - tic
     tic = time.perf_counter()
     if lookup is not None:
         lookup.extend([token.item()])
-    yield Step([token.item()], 0)
+    yield step([token.item()], 0, logits[None])
     produced = 1
 
     queued, decided = None, None  # a plain step already in flight; a plan chosen ahead
@@ -232,8 +250,8 @@ def decode(
         left = max_tokens - produced
         plan, decided = decided or plan_for(left), None
         if plan.width == 1:
-            next_token = queued if queued is not None else plain_step(model, token, tcache, context, params,
-                                                                      step_noise(produced))
+            next_token, logits = queued or plain_step(model, token, tcache, context, params, step_noise(produced),
+                                                      allowed_next())
             # A plain cycle teaches the chooser nothing, so the next plan is known before
             # this token is: queue the next plain step now, and the graph of step t+1 is
             # built while step t computes.  Unless the plan would take the prompt lookup's
@@ -243,10 +261,10 @@ def decode(
                 decided = plan_for(left - 1)
                 if decided.source == "lookup":
                     decided = None
-                elif decided.width == 1:
+                elif decided.width == 1 and constraint is None:  # a grammar's next mask needs this token
                     queued = plain_step(model, next_token, tcache, context, params, step_noise(produced + 1))
-                    mx.async_eval(queued)
-            n, committed = 0, [next_token.item()]
+                    mx.async_eval(queued[0])
+            n, committed, logits = 0, [next_token.item()], logits[-1:]
         else:
             block_noise = noise(produced, plan.width)
             if plan.source == "lookup":
@@ -254,12 +272,13 @@ def decode(
             else:
                 proposal = draft(model, token, context, plan.width, params, block_noise)
             logits, features = verify(model, token, proposal, tcache)
-            n, next_token = accept(proposal, choose(logits, params, block_noise))
+            mask = None if constraint is None else constraint.masks(proposal.tolist())
+            n, next_token = accept(proposal, choose(masked(logits, mask), params, block_noise))
             mx.eval(n, next_token, proposal)
             n = n.item()
             tcache.rollback(n + 1)
             context.add(features[:, : n + 1])
-            committed = proposal[:n].tolist() + [next_token.item()]
+            committed, logits = proposal[:n].tolist() + [next_token.item()], logits[: n + 1]
         if adaptive:
             model.chooser.record(plan, n, time.perf_counter() - started, params)
             lookup.extend(committed)
@@ -269,4 +288,4 @@ def decode(
         stats.widths.append(plan.width)
         stats.sources.append(plan.source)
         stats.decode_seconds = time.perf_counter() - tic
-        yield Step(committed, n)
+        yield step(committed, n, logits)

@@ -121,3 +121,27 @@ def accept(draft: mx.array, target_choice: mx.array) -> tuple[mx.array, mx.array
     (n_accepted, next_token) so the caller syncs once."""
     n = mx.cumprod((draft == target_choice[:-1]).astype(mx.int32)).sum()
     return n, target_choice[n]
+
+
+@dataclass
+class TokenLogprob:
+    """The target's log-probability of a committed token (its own distribution at temperature
+    1, before any top-p / top-k filter), and the `top` most likely tokens at that position."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """TokenLogprob of `tokens[i]` under `logits[i]` (rows of the target's logits)."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    if top:
+        ranked = mx.argsort(-logprobs, axis=-1)[:, :top]
+        ranked_logprobs = mx.take_along_axis(logprobs, ranked, axis=-1)
+        ranked, ranked_logprobs = ranked.tolist(), ranked_logprobs.tolist()
+    else:
+        ranked = ranked_logprobs = [[] for _ in tokens]
+    return [TokenLogprob(token, logprob, list(zip(ids, values)))
+            for token, logprob, ids, values in zip(tokens, chosen.tolist(), ranked, ranked_logprobs)]

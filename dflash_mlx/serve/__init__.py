@@ -1,4 +1,5 @@
-"""`dflash-mlx serve`: an OpenAI-compatible HTTP server over one DFlash engine."""
+"""`dflash-mlx serve`: one DFlash engine behind the OpenAI (chat, completions, Responses) and
+Anthropic (Messages) HTTP APIs."""
 
 from .app import Server, make_app, run, serve_in_background
 

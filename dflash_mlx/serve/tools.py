@@ -1,9 +1,37 @@
 """Tool calls in generated text, parsed with the tool parser mlx-lm picks for the
-tokenizer (Qwen3 / Qwen3.5 `<tool_call>{json}</tool_call>` is mlx-lm's json_tools)."""
+tokenizer (Qwen3 / Qwen3.5 `<tool_call>{json}</tool_call>` is mlx-lm's json_tools).
+
+A tokenizer without tool calling (a chat template that does not render tools, such
+as SmolLM2's) gets the same `<tool_call>{json}</tool_call>` convention: the tools are
+described in the system turn (`fallback_tool_prompt`) and calls are parsed with
+mlx-lm's json_tools parser."""
 
 import json
 import uuid
 from typing import Optional
+
+from mlx_lm.tool_parsers import json_tools
+
+
+def fallback_tool_prompt(tools: list[dict]) -> str:
+    """The system text that offers `tools` to a model whose chat template cannot."""
+    listing = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
+    return ("You can call these functions (JSON schemas):\n" + listing + "\n\nTo call one, reply with "
+            + json_tools.tool_call_start + '{"name": <function name>, "arguments": <arguments object>}'
+            + json_tools.tool_call_end + "; the result comes back as <tool_response>...</tool_response>.")
+
+
+def render_tool_call(call: dict) -> str:
+    """An OpenAI tool call as the text the fallback convention has the model write."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return json_tools.tool_call_start + body + json_tools.tool_call_end
 
 
 class ToolCalls:
@@ -14,10 +42,12 @@ class ToolCalls:
     `finish()` returns (remaining content, parsed tool calls)."""
 
     def __init__(self, tokenizer, tools: Optional[list]):
-        self.enabled = bool(tools) and getattr(tokenizer, "has_tool_calling", False)
-        self.start = tokenizer.tool_call_start if self.enabled else None
-        self.end = tokenizer.tool_call_end if self.enabled else None
-        self.parse = tokenizer.tool_parser if self.enabled else None
+        self.enabled = bool(tools)
+        native = self.enabled and getattr(tokenizer, "has_tool_calling", False)
+        source = tokenizer if native else json_tools
+        self.start = source.tool_call_start if self.enabled else None
+        self.end = source.tool_call_end if self.enabled else None
+        self.parse = (tokenizer.tool_parser if native else json_tools.parse_tool_call) if self.enabled else None
         self.tools = tools
         self.text = ""
         self.shown = 0

@@ -76,11 +76,13 @@ class Worker:
 
     def _serve(self, job: Job) -> None:
         last: Any = None
+        cancelled = False
         try:
             steps = stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, **job.options)
             for last in steps:
                 job.events.put(last)
                 if job.cancelled.is_set() or self._stopping:
+                    cancelled = last.finish_reason is None
                     steps.close()
                     break
         except Exception as e:  # handed to the HTTP side, which answers 4xx/5xx
@@ -89,4 +91,4 @@ class Worker:
         finally:
             job.events.put(DONE)
         if self.on_finish is not None and last is not None:
-            self.on_finish(last, cancelled=job.cancelled.is_set())
+            self.on_finish(last, cancelled=cancelled)

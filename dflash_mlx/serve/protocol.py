@@ -1,0 +1,165 @@
+"""What every API of the server shares: request errors, numbers, and turning a
+conversation (system text, turns with text, tool calls and tool results, tools)
+into the target's prompt tokens.
+
+Conversations are normalised to OpenAI chat messages, the shape chat templates
+know: {"role": "system" | "user" | "assistant" | "tool", "content": str,
+"tool_calls": [...], "tool_call_id": str}.  Each API translates its own format
+into that (openai_api.py, anthropic_api.py) and back.
+"""
+
+import json
+import numbers
+from typing import Optional
+
+from .tools import fallback_tool_prompt, render_tool_call
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP `status`, the offending field in `param`."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def number(body: dict, name: str, default, kind=numbers.Real, low=None, high=None):
+    """body[name] checked to be a number (an integer for kind=numbers.Integral) in [low, high]."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RequestError(f"{name} must be {'an integer' if kind is numbers.Integral else 'a number'}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise RequestError(f"{name} must be between {low} and {high}, got {value}", param=name)
+    return value
+
+
+def sampling(body: dict, names: dict) -> dict:
+    """stream_generate's sampling options from the request fields `names` maps them to
+    (temp, top_p, top_k, seed, block_size, stop).  Greedy unless the request says otherwise."""
+    stop = body.get(names["stop"])
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and
+                                                            all(isinstance(s, str) for s in stop))):
+        raise RequestError(f"{names['stop']} must be a string or a list of strings", param=names["stop"])
+    options = {
+        "temp": number(body, "temperature", 0.0, low=0, high=100),
+        "top_p": number(body, "top_p", 1.0, low=0, high=1),
+        "top_k": number(body, "top_k", 0, numbers.Integral, low=0),
+        "seed": number(body, "seed", None, numbers.Integral),
+        "block_size": number(body, "block_size", None, numbers.Integral, low=1),
+        "stop": [stop] if isinstance(stop, str) else stop or [],
+    }
+    if options["top_p"] == 0:
+        raise RequestError("top_p must be > 0", param="top_p")
+    return options
+
+
+def refuse_nonzero(body: dict, *names: str) -> None:
+    """Fields whose non-default values would change the output and that the server does not
+    implement: refused by name rather than ignored."""
+    for name in names:
+        value = body.get(name)
+        if value not in (None, 0, 0.0, {}, [], False):
+            raise RequestError(f"{name} is not supported by this server (the target's distribution is "
+                               f"sampled as is); remove it", param=name, code="unsupported_parameter")
+
+
+def unknown_fields(body: dict, known: set) -> list[str]:
+    """Request fields this API does not know: reported back in the response (never silently dropped)."""
+    return sorted(name for name in body if name not in known)
+
+
+def text_of(content, where: str) -> str:
+    """Message content (a string or a list of parts) as text; non-text parts are refused by name."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of content parts", param=where)
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind is None:
+            raise RequestError(f"{where}[{i}] must be an object with a type", param=where)
+        else:
+            raise RequestError(f"{where}[{i}] is a {kind!r} part, but the served model reads text only; "
+                               "send text parts", param=where, code="unsupported_content")
+    return "".join(texts)
+
+
+def check_tools(tools, where: str = "tools") -> list[dict]:
+    """OpenAI function tools [{"type": "function", "function": {"name", "description", "parameters"}}]."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise RequestError(f"{where} must be a list", param=where)
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str)):
+            raise RequestError(f"{where}[{i}] must be a function tool with a name (other tool types are not "
+                               "supported here)", param=where)
+    return tools
+
+
+def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
+    """The conversation through the target's chat template.  A template that does not render
+    tools (SmolLM2's, for one) gets them described in the system turn, with the
+    <tool_call>{json}</tool_call> convention tools.ToolCalls then parses; its tool turns are
+    rendered as text the same way."""
+    for i, message in enumerate(messages):
+        if message.get("role") not in ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.get('role')!r}",
+                               param="messages")
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    if not tokenizer.has_chat_template:
+        text = "\n".join(m.get("content") or "" for m in messages)
+        return tokenizer.encode(text)
+    native_tools = bool(tools) and "tools" in (tokenizer.chat_template or "")
+    if tools and not native_tools:
+        messages = _with_tool_text(messages, tools)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # the template's own checks (roles, order)
+        raise RequestError(f"the chat template refused these messages ({e})", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _with_tool_text(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Messages for a template without tool support: the tools described in the system turn,
+    assistant tool calls and tool results written out as text."""
+    description = fallback_tool_prompt(tools)
+    out = []
+    if messages and messages[0]["role"] == "system":
+        out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + description})
+        messages = messages[1:]
+    else:
+        out.append({"role": "system", "content": description})
+    for message in messages:
+        if message["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+        elif message.get("tool_calls"):
+            calls = "".join(render_tool_call(call) for call in message["tool_calls"])
+            out.append({"role": "assistant", "content": (message.get("content") or "") + calls})
+        else:
+            out.append({"role": message["role"], "content": message.get("content") or ""})
+    return out
+
+
+def arguments_json(arguments) -> str:
+    """Tool-call arguments as the JSON text OpenAI messages carry."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def decoding_stats(last) -> dict:
+    """How a response was decoded (the `dflash` object every API's usage carries)."""
+    return {"tau": round(last.tau, 3), "acceptance_histogram": last.acceptance_histogram,
+            "draft_cycles": last.sources.count("dflash"), "lookup_cycles": last.sources.count("lookup"),
+            "plain_cycles": last.sources.count("plain"), "block_size": last.block_size,
+            "generation_tps": round(last.generation_tps, 2)}
