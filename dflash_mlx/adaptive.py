@@ -24,7 +24,8 @@ prompt can be easier than the average.
 The curve is measured in isolation; a real drafting cycle also syncs, rolls
 back and breaks the plain-step pipeline.  So the engine reports each cycle's
 wall time and the chooser scales each source's costs by how much more (relative
-to plain cycles) they really take than the curve says.  When sampling, every
+to plain cycles) they really take than the curve says; a source not run lately
+drifts back to the curve, so a stall measured once does not stick.  When sampling, every
 verified and drafted position also costs a sampling distribution, measured too.
 """
 
@@ -179,11 +180,11 @@ PLAIN = Plan()
 
 class WidthChooser:
     def __init__(self, cost: CostModel, max_width: int, prior: float = 0.5, explore_every: int = 64,
-                 first_probe: int = 8, long_run_decay: float = 0.999):
+                 first_probe: int = 8, long_run_decay: float = 0.999, time_aging: float = 0.01):
         self.cost = cost
         self.max_width = max_width
         self.explore_every, self.first_probe = explore_every, first_probe
-        self.prior, self.long_run_decay = prior, long_run_decay
+        self.prior, self.long_run_decay, self.time_aging = prior, long_run_decay, time_aging
         self.long_run: dict[str, AcceptanceEstimate] = {}  # per kind: "dflash", "lookup1", "lookup2", ...
         self.acceptance: dict[str, AcceptanceEstimate] = {}
         self._time_ratio = {"plain": 1.0, "dflash": 1.0, "lookup": 1.0}  # measured / modelled cycle time
@@ -252,7 +253,15 @@ class WidthChooser:
             self.long_run[plan.kind].age()
             self.long_run[plan.kind].observe(plan.width, accepted)
         ratio = seconds / self.cost.cycle(plan.width, params, drafted=plan.source == "dflash")
+        ratio = min(ratio, 4 * self._time_ratio[plan.source])  # one stalled cycle (GC, swapping) is not a trend
         self._time_ratio[plan.source] += weight * (ratio - self._time_ratio[plan.source])
+        # A source not run lately drifts back to costing what the model says (relative to plain
+        # cycles), as its acceptance drifts back to the prior.  Otherwise a stall measured while
+        # drafting would stick: plain cycles are re-measured at once, the drafter only by rare
+        # probes that also pay to catch it up on the positions it skipped.
+        for source in self._time_ratio:
+            if source not in (plan.source, "plain"):
+                self._time_ratio[source] += self.time_aging * (self._time_ratio["plain"] - self._time_ratio[source])
 
 
 # ---------------------------------------------------------------- measuring the cost curve

@@ -122,7 +122,7 @@ def test_measured_cycle_times_correct_the_cost_model():
     for _ in range(60):
         chooser.record(PLAIN, 0, cost.cycle(1))
         chooser.record(Plan(4, "dflash"), 1, 1.5 * cost.cycle(4))
-    assert chooser.penalty("dflash") == pytest.approx(1.5, rel=0.01)
+    assert chooser.penalty("dflash") == pytest.approx(1.5, rel=0.05)  # less a little drift back to the curve
     assert chooser.best() == PLAIN
     chooser = chooser_with([0.15] * 16, cost)
     assert chooser.best() == PLAIN
@@ -130,6 +130,32 @@ def test_measured_cycle_times_correct_the_cost_model():
         chooser.record(PLAIN, 0, 1.3 * cost.cycle(1))
         chooser.record(Plan(2, "dflash"), 0, cost.cycle(2))
     assert chooser.best().width > 1
+
+
+def test_a_stall_does_not_switch_drafting_off_for_good():
+    """Drafting cycles slowed 8x by another process (a test run beside a benchmark did this)
+    make drafting look costly, and the chooser decodes plainly.  Plain cycles are re-measured
+    at once, the drafter only by rare probes that also pay for catching it up on the skipped
+    positions (up to 1.8x here after 64 plain cycles): measured that way, drafting never looks
+    cheap again (it once stayed off for 200 generations).  A source not run lately drifts back to its modelled cost
+    instead, so a good drafter is used again, and stays on."""
+    cost = cpu_like()
+    chooser = chooser_with([0.6] * 16, cost)
+    assert chooser.best().source == "dflash"
+    for _ in range(6):  # the stall, while drafting
+        chooser.record(Plan(4, "dflash"), 2, 8 * cost.cycle(4))
+    assert chooser.best() == PLAIN
+    drafted = [0]
+    for cycle in range(1, 400):  # quiet again
+        plan = chooser.choose()
+        catch_up = 1 + 0.8 * min(cycle - drafted[-1] - 1, 64) / 64 if plan.source == "dflash" else 1.0
+        drafted += [cycle] if plan.source == "dflash" else []
+        chooser.record(plan, min(2, plan.width - 1), catch_up * cost.cycle(plan.width))
+    assert drafted[-1] == 399 and len(drafted) > 200
+    # one cycle stalled 100x (a GC pause, swapping) counts as 4x, no more
+    steady = chooser_with([0.6] * 16, cost)
+    steady.record(Plan(4, "dflash"), 3, 100 * cost.cycle(4))
+    assert steady.penalty("dflash") == pytest.approx(1 + 0.1 * 3, rel=1e-6)
 
 
 def test_sampling_cost_counts_every_verified_and_drafted_position():
