@@ -138,8 +138,11 @@ def token_logprobs(logits: mx.array, tokens: list[int], top: int) -> list[TokenL
     logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logprobs, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
     if top:
-        ranked = mx.argsort(-logprobs, axis=-1)[:, :top]
-        ranked_logprobs = mx.take_along_axis(logprobs, ranked, axis=-1)
+        top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        top_logprobs = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        order = mx.argsort(-top_logprobs, axis=-1)
+        ranked = mx.take_along_axis(top_ids, order, axis=-1)
+        ranked_logprobs = mx.take_along_axis(top_logprobs, order, axis=-1)
         ranked, ranked_logprobs = ranked.tolist(), ranked_logprobs.tolist()
     else:
         ranked = ranked_logprobs = [[] for _ in tokens]

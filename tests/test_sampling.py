@@ -177,3 +177,13 @@ def test_samples_follow_the_target_distribution_on_every_new_family(model_type):
                           stats=stats)
     assert chi_square_p_value(counts, exact_joint(target, params)) > 1e-3
     assert stats.histogram[1] > 0  # drafts were accepted, so the drafted path was tested too
+
+
+def test_token_logprobs_rank_the_top_alternatives_like_a_full_sort():
+    logits = mx.random.normal((5, 300), key=mx.random.key(3))
+    tokens = [0, 17, 299, 5, 150]
+    full = np.asarray(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    for entry, row, token in zip(sampling.token_logprobs(logits, tokens, top=7), full, tokens):
+        assert entry.token == token and entry.logprob == pytest.approx(float(row[token]), abs=1e-5)
+        assert [t for t, _ in entry.top] == list(np.argsort(-row, kind="stable")[:7])
+        assert [v for _, v in entry.top] == pytest.approx(sorted(row, reverse=True)[:7], abs=1e-5)

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from .protocol import (RequestError, check_tools, decoding_stats, number, prompt_tokens, sampling, text_of,
                        unknown_fields)
-from .tools import ToolCalls
+from .tools import with_tool_calls
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
@@ -122,9 +122,7 @@ class AnthropicAPI:
         try:
             body = await self.server.body(request)
             prompt, tools = self._prompt(body)
-            if body.get("max_tokens") is None:
-                raise RequestError("max_tokens: field required")
-            max_tokens = self.server.max_tokens(body["max_tokens"], "max_tokens")
+            max_tokens = self.server.max_tokens(body, ("max_tokens",), None)
             options = sampling(body, {"stop": "stop_sequences"})
             number(body, "top_k", 0, numbers.Integral, low=0)
             stream = body.get("stream", False)
@@ -190,13 +188,9 @@ class _Message:
 
     async def run(self, job, first):
         """Consume the engine's events; yields the text shown at each."""
-        calls = ToolCalls(self.server.tokenizer, self.tools)
         self.prompt_tokens = first.prompt_tokens
-        async for self.last in self.server.events(job, first):
-            shown = calls.push(self.last.text)
-            if self.last.finish_reason:
-                rest, self.calls = calls.finish()
-                shown += rest
+        async for self.last, shown, self.calls in with_tool_calls(self.server.events(job, first),
+                                                                  self.server.tokenizer, self.tools):
             self.text += shown
             yield shown
 

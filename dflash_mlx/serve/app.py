@@ -11,6 +11,7 @@ default such as gpt-3.5-turbo); responses name the model that answered.
 
 import contextlib
 import json
+import numbers
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -25,7 +26,7 @@ from ..prompt_cache import PromptCache
 from .anthropic_api import AnthropicAPI
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
-from .protocol import RequestError
+from .protocol import RequestError, number
 from .worker import DONE, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
@@ -103,11 +104,15 @@ class Server:
             raise RequestError("the body must be a JSON object")
         return body
 
-    def max_tokens(self, value, name: str) -> int:
-        limit = self.context or 1 << 30
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-            raise RequestError(f"{name} must be an integer between 1 and {limit}, got {value!r}", param=name)
-        return value
+    def max_tokens(self, body: dict, names: tuple[str, ...], default: Optional[int]) -> int:
+        """The first of `names` the body sets (else `default`; required when None), between 1
+        and the target's context."""
+        name = next((n for n in names if body.get(n) is not None), None)
+        if name is None:
+            if default is None:
+                raise RequestError(f"{names[0]}: field required", param=names[0])
+            return default
+        return number(body, name, None, numbers.Integral, low=1, high=self.context or 1 << 30)
 
     async def start(self, prompt: list[int], max_tokens: int, options: dict) -> tuple[Job, Any]:
         """Queue a generation; its first response.  A request the engine refuses before any

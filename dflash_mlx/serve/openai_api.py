@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from ..grammar import Grammar
 from .protocol import (RequestError, arguments_json, check_tools, decoding_stats, number, prompt_tokens,
                        refuse_nonzero, sampling, text_of, unknown_fields)
-from .tools import ToolCalls
+from .tools import with_tool_calls
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "block_size"}
 NO_EFFECT = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream", "stream_options"}
@@ -141,9 +141,7 @@ class OpenAIAPI:
         return tokens, logprobs
 
     def _common(self, body: dict, default_max: int, max_names=("max_completion_tokens", "max_tokens")):
-        value = next((body[name] for name in max_names if body.get(name) is not None), default_max)
-        max_tokens = self.server.max_tokens(value, next((n for n in max_names if body.get(n) is not None),
-                                                        max_names[-1]))
+        max_tokens = self.server.max_tokens(body, max_names, default_max)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("stream must be true or false", param="stream")
@@ -211,14 +209,12 @@ class OpenAIAPI:
         out, finals = [], []
         try:
             async for index, events in choices:
-                text, logprobs, last = "", [] if choices.options["logprobs"] is not None else None, None
-                calls = ToolCalls(self.server.tokenizer, tools if chat else None)
-                async for last in events:
-                    text += calls.push(last.text)
+                text, logprobs = "", [] if choices.options["logprobs"] is not None else None
+                async for last, shown, tool_calls in with_tool_calls(events, self.server.tokenizer,
+                                                                     tools if chat else None):
+                    text += shown
                     if logprobs is not None:
                         logprobs += last.logprobs
-                rest, tool_calls = calls.finish()
-                text += rest
                 out.append(self._choice(chat, index, text or (None if tool_calls else ""), last.finish_reason, False,
                                         tool_calls, logprobs))
                 finals.append(last)
@@ -243,12 +239,11 @@ class OpenAIAPI:
         finals = []
         try:
             async for index, events in choices:
-                calls, last = ToolCalls(self.server.tokenizer, tools if chat else None), None
-                async for last in events:
-                    text = calls.push(last.text)
+                last = None
+                async for last, text, tool_calls in with_tool_calls(events, self.server.tokenizer,
+                                                                    tools if chat else None):
                     if last.finish_reason:
-                        rest, tool_calls = calls.finish()
-                        yield chunk([self._choice(chat, index, text + rest, last.finish_reason, True, tool_calls,
+                        yield chunk([self._choice(chat, index, text, last.finish_reason, True, tool_calls,
                                                   last.logprobs)])
                     elif text or last.logprobs:
                         yield chunk([self._choice(chat, index, text, None, True, None, last.logprobs)])
@@ -416,13 +411,10 @@ class _Response:
 
     async def run(self, job, first):
         """Consume the engine's events; yields the text shown at each."""
-        calls = ToolCalls(self.api.server.tokenizer, self.tools)
-        async for self.last in self.api.server.events(job, first):
-            shown = calls.push(self.last.text)
+        server = self.api.server
+        async for self.last, shown, self.calls in with_tool_calls(server.events(job, first), server.tokenizer,
+                                                                  self.tools):
             self.logprobs += self.last.logprobs or []
-            if self.last.finish_reason:
-                rest, self.calls = calls.finish()
-                shown += rest
             self.text += shown
             yield shown
 

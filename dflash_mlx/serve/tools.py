@@ -92,3 +92,15 @@ class ToolCalls:
                               "function": {"name": call["name"],
                                            "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
         return "".join(content), calls
+
+
+async def with_tool_calls(events, tokenizer, tools: Optional[list]):
+    """The engine's responses, each with the text safe to show at it and, at the one with a
+    finish_reason, the parsed tool calls (an empty list before)."""
+    calls = ToolCalls(tokenizer, tools)
+    async for response in events:
+        shown, parsed = calls.push(response.text), []
+        if response.finish_reason:
+            rest, parsed = calls.finish()
+            shown += rest
+        yield response, shown, parsed
