@@ -45,8 +45,12 @@ def main():
     mx.clear_cache()
     active_before, rss_before = mx.get_active_memory() / 1e6, resident_mb()
     failed, resident = False, []
+    # one client per simulated user for the whole run: a client made per round would grow this
+    # process's memory by itself (each builds its own TLS context and connection pool)
+    clients = [openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=3)
+               for _ in range(args.clients)]
     for round_ in range(1, args.rounds + 1):
-        failed |= load_round(args, port, server, expected, round_)
+        failed |= load_round(args, clients, server, expected, round_)
         resident.append(resident_mb())
         print(f"round {round_}: MLX active memory {active_before:.0f} MB before, "
               f"{mx.get_active_memory() / 1e6:.0f} MB after; resident {rss_before:.0f} MB before, "
@@ -68,14 +72,14 @@ def resident_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e6 if sys.platform == "darwin" else 1e3)
 
 
-def load_round(args, port: int, server, expected: dict, round_: int) -> bool:
+def load_round(args, clients: list, server, expected: dict, round_: int) -> bool:
     """One round of the load; prints its figures; True if a response was wrong or failed."""
     latencies, wrong, errors, dropped = [], [], [], [0]
     lock = threading.Lock()
 
     def client(seed: int):
         rng = random.Random(seed + 1000 * round_)
-        local = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=3)
+        local = clients[seed]
         for _ in range(args.requests):
             prompt = rng.choice(PROMPTS)
             messages = [{"role": "user", "content": prompt}]

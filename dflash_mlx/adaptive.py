@@ -199,11 +199,23 @@ class WidthChooser:
     def estimate(self, kind: str) -> AcceptanceEstimate:
         """This generation's acceptance estimate of `kind` (made from its long-run one on first use)."""
         if kind not in self.acceptance:
-            if kind not in self.long_run:
-                self.long_run[kind] = AcceptanceEstimate(self.max_width, prior=self.prior, decay=self.long_run_decay)
-            long_run = self.long_run[kind]
-            self.acceptance[kind] = AcceptanceEstimate(self.max_width, prior=long_run.informed_rates())
+            self.acceptance[kind] = self.fresh_estimate(kind)
         return self.acceptance[kind]
+
+    def fresh_estimate(self, kind: str) -> AcceptanceEstimate:
+        """A new generation's acceptance estimate of `kind`: the long-run rates are its prior."""
+        return AcceptanceEstimate(self.max_width, prior=self._long_run(kind).informed_rates())
+
+    def _long_run(self, kind: str) -> AcceptanceEstimate:
+        if kind not in self.long_run:
+            self.long_run[kind] = AcceptanceEstimate(self.max_width, prior=self.prior, decay=self.long_run_decay)
+        return self.long_run[kind]
+
+    def learn(self, kind: str, width: int, accepted: int) -> None:
+        """The long-run estimate of `kind` takes in one cycle that verified `width` tokens."""
+        long_run = self._long_run(kind)
+        long_run.age()
+        long_run.observe(width, accepted)
 
     def penalty(self, source: str) -> float:
         """How much costlier `source`'s cycles really are, relative to plain ones, than modelled."""
@@ -250,8 +262,7 @@ class WidthChooser:
             estimate.age()
         if plan.width > 1:
             self.estimate(plan.kind).observe(plan.width, accepted)
-            self.long_run[plan.kind].age()
-            self.long_run[plan.kind].observe(plan.width, accepted)
+            self.learn(plan.kind, plan.width, accepted)
         ratio = seconds / self.cost.cycle(plan.width, params, drafted=plan.source == "dflash")
         ratio = min(ratio, 4 * self._time_ratio[plan.source])  # one stalled cycle (GC, swapping) is not a trend
         self._time_ratio[plan.source] += weight * (ratio - self._time_ratio[plan.source])

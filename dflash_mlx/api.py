@@ -13,7 +13,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .adaptive import WidthChooser, cached_costs, measure_costs
 from .drafters import load_draft
 from .io import blas
-from .io.progress import console
+from .io.progress import add_task, console, progress
+from .batch import BatchDecoder, BatchStep
 from .engine import DecodeStats, DFlashModel, decode
 from .grammar import Grammar
 from .prompt_cache import PromptCache
@@ -250,31 +251,25 @@ def _context_limit(target: Target) -> Optional[int]:
     return getattr(getattr(owner, "args", None), "max_position_embeddings", None)
 
 
-def stream_generate(
-    model: DFlashModel,
-    tokenizer: TokenizerWrapper,
-    prompt: Union[str, list[dict], list[int], mx.array],
-    max_tokens: int = 256,
-    *,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: Optional[int] = None,
-    block_size: Optional[int] = None,
-    stop: Union[str, Sequence[str]] = (),
-    prompt_cache: Optional[PromptCache] = None,
-    logprobs: Optional[int] = None,
-    grammar: Optional[Grammar] = None,
-) -> Iterator[GenerationResponse]:
-    """Yield a GenerationResponse per decode cycle; the last has a finish_reason.
+@dataclass
+class Request:
+    """stream_generate's arguments, checked: what the engine decodes."""
 
-    A seeded sampled run gives the same text whatever the verify widths (and the
-    same text as `use_draft=False` with that seed): see sampling.py.  With `logprobs`
-    (0-20: how many top alternatives), each response carries the target's log-probabilities
-    of its tokens.  A `grammar` (grammar.Grammar, e.g. Grammar.json(tokenizer, vocab, schema))
-    constrains the output."""
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    prompt: mx.array
+    max_tokens: int
+    params: SamplingParams
+    seed: Optional[int]
+    block_size: Optional[int]
+    stop: list[str]
+    logprobs: Optional[int]
+    grammar: Optional[Grammar]
+
+
+def make_request(model: DFlashModel, tokenizer: TokenizerWrapper, prompt, max_tokens: int = 256, *,
+                 temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
+                 block_size: Optional[int] = None, stop: Union[str, Sequence[str]] = (),
+                 logprobs: Optional[int] = None, grammar: Optional[Grammar] = None) -> Request:
+    """A Request, or a ValueError / TypeError naming what is wrong."""
     prompt = prompt_ids(tokenizer, prompt, model.target.vocab_size)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
         raise TypeError(f"max_tokens must be an integer, got {type(max_tokens).__name__}")
@@ -297,31 +292,59 @@ def stream_generate(
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral)
                                  or not 0 <= logprobs <= 20):
         raise ValueError(f"logprobs must be an integer between 0 and 20 (top alternatives per token), got {logprobs!r}")
-    params = SamplingParams(temp, top_p, top_k)
-    seed = check_seed(seed)
-    stop = [stop] if isinstance(stop, str) else stop
+    stop = [stop] if isinstance(stop, str) else list(stop)
     if not all(isinstance(s, str) for s in stop):
         raise TypeError("stop must be a string or a list of strings")
+    return Request(prompt, max_tokens, SamplingParams(temp, top_p, top_k), check_seed(seed), block_size, stop,
+                   logprobs, grammar)
 
-    stats = DecodeStats()
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    stop_text = _StopText(stop)
-    eos = set(tokenizer.eos_token_ids)
-    generated = 0
-    mx.reset_peak_memory()
 
-    def response(text, tokens, accepted, finish, token_logprobs=None, stop_sequence=None):
-        gen_seconds = max(stats.decode_seconds, 1e-9)
+class _Responses:
+    """A request's Steps as GenerationResponses: detokenized, cut at EOS, a stop string or
+    max_tokens (the response that ends it has a finish_reason)."""
+
+    def __init__(self, model: DFlashModel, tokenizer: TokenizerWrapper, request: Request, stats: DecodeStats):
+        self.model, self.request, self.stats = model, request, stats
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.stop_text = _StopText(request.stop)
+        self.eos = set(tokenizer.eos_token_ids)
+        self.generated = 0
+
+    def push(self, step) -> GenerationResponse:
+        tokens, finish = step.tokens, None
+        for i, token in enumerate(tokens):
+            if token in self.eos:
+                tokens, finish = tokens[:i], "stop"
+                break
+        token_logprobs = None if step.logprobs is None else step.logprobs[: len(tokens)]
+        for token in tokens:
+            self.detokenizer.add_token(token)
+        self.generated += len(tokens)
+        text, stop_found = self.stop_text.push(self.detokenizer.last_segment)
+        if stop_found:
+            finish = "stop"
+        elif finish is None and self.generated >= self.request.max_tokens:
+            finish = "length"
+        if finish and not stop_found:
+            self.detokenizer.finalize()
+            more, stop_found = self.stop_text.push(self.detokenizer.last_segment)
+            text += more if stop_found else more + self.stop_text.flush()
+            finish = "stop" if stop_found else finish
+        accepted = min(step.accepted, len(tokens))
+        return self._response(text, tokens, accepted, finish, token_logprobs, stop_found)
+
+    def _response(self, text, tokens, accepted, finish, token_logprobs, stop_sequence) -> GenerationResponse:
+        stats, model = self.stats, self.model
         return GenerationResponse(
             text=text,
             tokens=tokens,
             accepted=accepted,
-            prompt_tokens=prompt.size,
-            prompt_tps=prompt.size / max(stats.prompt_seconds, 1e-9),
-            generation_tokens=generated,
+            prompt_tokens=self.request.prompt.size,
+            prompt_tps=self.request.prompt.size / max(stats.prompt_seconds, 1e-9),
+            generation_tokens=self.generated,
             # the first token comes from the prefill, the rest from decoding
-            generation_tps=max(generated - 1, 0) / gen_seconds,
+            generation_tps=max(self.generated - 1, 0) / max(stats.decode_seconds, 1e-9),
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
             tau=stats.tau,
@@ -329,39 +352,119 @@ def stream_generate(
             block_size=stats.block_size,
             widths=list(stats.widths),
             sources=list(stats.sources),
-            adaptive=model.chooser is not None and model.draft is not None and block_size is None,
+            adaptive=model.chooser is not None and model.draft is not None and self.request.block_size is None,
             cached_tokens=stats.cached_tokens,
             logprobs=token_logprobs,
             stop_sequence=stop_sequence,
         )
 
-    steps = decode(model, prompt, params, max_tokens, block_size, stats, seed, prompt_cache, logprobs, grammar)
-    finish = None
+
+def stream_generate(
+    model: DFlashModel,
+    tokenizer: TokenizerWrapper,
+    prompt: Union[str, list[dict], list[int], mx.array],
+    max_tokens: int = 256,
+    *,
+    prompt_cache: Optional[PromptCache] = None,
+    **options,
+) -> Iterator[GenerationResponse]:
+    """Yield a GenerationResponse per decode cycle; the last has a finish_reason.
+
+    Options: temp, top_p, top_k, seed, block_size, stop, logprobs, grammar (make_request).
+    A seeded sampled run gives the same text whatever the verify widths (and the
+    same text as `use_draft=False` with that seed): see sampling.py.  With `logprobs`
+    (0-20: how many top alternatives), each response carries the target's log-probabilities
+    of its tokens.  A `grammar` (grammar.Grammar, e.g. Grammar.json(tokenizer, vocab, schema))
+    constrains the output."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    request = make_request(model, tokenizer, prompt, max_tokens, **options)
+    stats = DecodeStats()
+    responses = _Responses(model, tokenizer, request, stats)
+    mx.reset_peak_memory()
+    steps = decode(model, request.prompt, request.params, request.max_tokens, request.block_size, stats,
+                   request.seed, prompt_cache, request.logprobs, request.grammar)
     for step in steps:
-        tokens = step.tokens
-        for i, token in enumerate(tokens):
-            if token in eos:
-                tokens, finish = tokens[:i], "stop"
-                break
-        token_logprobs = None if step.logprobs is None else step.logprobs[: len(tokens)]
-        for token in tokens:
-            detokenizer.add_token(token)
-        generated += len(tokens)
-        text, stop_found = stop_text.push(detokenizer.last_segment)
-        if stop_found:
-            finish = "stop"
-        elif finish is None and generated >= max_tokens:
-            finish = "length"
-        if finish:
+        response = responses.push(step)
+        if response.finish_reason:
             steps.close()
-            if not stop_found:
-                detokenizer.finalize()
-                more, stop_found = stop_text.push(detokenizer.last_segment)
-                text += more if stop_found else more + stop_text.flush()
-                finish = "stop" if stop_found else finish
-            yield response(text, tokens, min(step.accepted, len(tokens)), finish, token_logprobs, stop_found)
+            yield response
             return
-        yield response(text, tokens, step.accepted, None, token_logprobs)
+        yield response
+
+
+class BatchGenerator:
+    """Requests decoded together (batch.py), each streamed as stream_generate streams it.
+
+        gen = BatchGenerator(model, tokenizer, max_batch=8)
+        uid = gen.insert("Hello", max_tokens=64, temp=0.7, seed=1)
+        while gen.busy:
+            for uid, response in gen.next():   # one batch step
+                ...
+
+    A request that finishes leaves the batch by itself; `remove(uid)` drops one early."""
+
+    def __init__(self, model: DFlashModel, tokenizer: TokenizerWrapper, max_batch: int = 8,
+                 prompt_cache: Optional[PromptCache] = None):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.model = model
+        self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+        self.decoder = BatchDecoder(model, prompt_cache, max_batch)
+        self.responses: dict[int, _Responses] = {}
+        self.last_step: Optional[BatchStep] = None
+
+    @property
+    def busy(self) -> bool:
+        return self.decoder.busy
+
+    def insert(self, prompt, max_tokens: int = 256, **options) -> int:
+        """Queue a request (stream_generate's arguments); its uid.  Bad arguments raise here."""
+        request = make_request(self.model, self.tokenizer, prompt, max_tokens, **options)
+        stats = DecodeStats()
+        uid = self.decoder.add(request.prompt, request.params, request.max_tokens, request.block_size,
+                               request.seed, request.logprobs, request.grammar, stats)
+        self.responses[uid] = _Responses(self.model, self.tokenizer, request, stats)  # a detokenizer of its own
+        return uid
+
+    def remove(self, uid: int) -> None:
+        self.decoder.remove(uid)
+        self.responses.pop(uid, None)
+
+    def next(self) -> list[tuple[int, GenerationResponse]]:
+        """One batch step: (uid, response) of every request that committed tokens."""
+        self.last_step = self.decoder.step()
+        out = []
+        for uid, step in self.last_step.steps.items():
+            response = self.responses[uid].push(step)
+            out.append((uid, response))
+            if response.finish_reason:
+                self.remove(uid)
+        return out
+
+
+@dataclass
+class BatchResponse:
+    texts: list[str]
+    responses: list[GenerationResponse]  # the last of each prompt: finish_reason and statistics
+
+
+def batch_generate(model: DFlashModel, tokenizer: TokenizerWrapper, prompts: Sequence, max_tokens: int = 256,
+                   max_batch: int = 8, verbose: bool = False, **options) -> BatchResponse:
+    """Every prompt's generated text, decoded in batches of up to `max_batch` (in the style of
+    mlx-lm's batch_generate); options as stream_generate's, for every prompt."""
+    gen = BatchGenerator(model, tokenizer, max_batch)
+    uids = [gen.insert(prompt, max_tokens, **options) for prompt in prompts]
+    texts, last = {uid: "" for uid in uids}, {}
+    with progress(enabled=verbose) as bar:
+        task = add_task(bar, "batch", len(uids))
+        while gen.busy:
+            for uid, response in gen.next():
+                texts[uid] += response.text
+                last[uid] = response
+                if response.finish_reason:
+                    bar.advance(task)
+    return BatchResponse([texts[uid] for uid in uids], [last[uid] for uid in uids])
 
 
 def generate(

@@ -170,6 +170,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait; more get 429."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded together (1: one at a time)."),
     prompt_cache_bytes: int = typer.Option(1 << 30, "--prompt-cache-bytes", help="Memory for reusable prompt prefixes (0: off)."),
     distributed: Optional[str] = DISTRIBUTED,
     split: Optional[str] = SPLIT,
@@ -177,13 +178,13 @@ def serve(
 ):
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
     try:
-        from .serve import make_app, run
+        from .serve import batch_refusal, make_app, run
     except ImportError as e:
         fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
     if quant not in (None, 4, 8):
         fail(f"--quant must be 4 or 8, got {quant}")
-    if max_queue < 1 or not 0 < port < 65536:
-        fail("--max-queue must be >= 1 and --port in 1..65535")
+    if max_queue < 1 or max_batch < 1 or not 0 < port < 65536:
+        fail("--max-queue and --max-batch must be >= 1 and --port in 1..65535")
     from .api import load
 
     if prompt_cache_bytes < 0:
@@ -202,9 +203,13 @@ def serve(
                         "snapshotted yet)", err=True, fg=typer.colors.YELLOW)
             prompt_cache_bytes = 0
     name = model or "SmolLM2-135M-Instruct"
-    server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes)
+    refusal = batch_refusal(pair) if max_batch > 1 else None
+    if refusal:
+        typer.secho(f"note: requests are decoded one at a time ({refusal})", err=True, fg=typer.colors.YELLOW)
+    server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes, max_batch)
     typer.secho(f"serving {name} on http://{host}:{port}/v1 (drafter: "
-                f"{'on' if pair.draft is not None else 'off'}); Ctrl-C stops", err=True)
+                f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}); Ctrl-C stops",
+                err=True)
     try:
         run(server, host, port)
     finally:

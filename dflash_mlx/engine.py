@@ -92,6 +92,11 @@ class Step:
     accepted: int  # how many of them were draft tokens
     logprobs: Optional[list[TokenLogprob]] = None  # per token, when asked for
 
+    def then(self, later: "Step") -> "Step":
+        """This step followed by `later`, as one."""
+        logprobs = None if self.logprobs is None else self.logprobs + later.logprobs
+        return Step(self.tokens + later.tokens, self.accepted + later.accepted, logprobs)
+
 
 class Context:
     """The drafter's cache of injected target features, plus the features of
@@ -116,25 +121,65 @@ class Context:
         return self.cache
 
 
-def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context) -> mx.array:
-    """Run the prompt through the target in chunks; return the last position's logits."""
+class Sequence:
+    """One request's decoding state beside its target cache: the drafter's context, the
+    sampling noise of each output position, the prompt lookup, the grammar, the stats."""
+
+    def __init__(self, model: DFlashModel, prompt: mx.array, params: SamplingParams, seed: Optional[int],
+                 stats: DecodeStats, lookup: bool, logprobs: Optional[int] = None,
+                 grammar: Optional[Grammar] = None):
+        self.params, self.stats, self.logprobs = params, stats, logprobs
+        self.context = Context(model)
+        self.position_noise = None if params.greedy else Noise(new_seed() if seed is None else seed,
+                                                                model.target.vocab_size)
+        self.lookup = PromptLookup(prompt.tolist()) if lookup else None
+        self.constraint = grammar.start() if grammar is not None else None
+
+    def noise(self, start: int, count: int) -> Optional[mx.array]:
+        """(count, vocab) noise of output positions start.. (None when greedy)."""
+        return None if self.position_noise is None else self.position_noise.at(start, count)
+
+    def noise_at(self, position: int) -> Optional[mx.array]:
+        return None if self.position_noise is None else self.position_noise.at(position, 1)[0]
+
+    def allowed_next(self) -> Optional[mx.array]:
+        """The grammar's mask of the next position (None without a grammar)."""
+        return None if self.constraint is None else self.constraint.masks([])[0]
+
+    def masks(self, proposal: list[int]) -> Optional[mx.array]:
+        """The grammar's masks after each prefix of `proposal` (None without a grammar)."""
+        return None if self.constraint is None else self.constraint.masks(proposal)
+
+    def step(self, committed: list[int], accepted: int, logits: mx.array) -> Step:
+        """The Step of tokens just committed, chosen from `logits` (one row per token)."""
+        if self.constraint is not None:
+            self.constraint.commit(committed)
+        if self.lookup is not None:
+            self.lookup.extend(committed)
+        return Step(committed, accepted, None if self.logprobs is None else
+                    token_logprobs(logits, committed, self.logprobs))
+
+
+def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context) -> Iterator[mx.array]:
+    """Run the prompt through the target in chunks; yield each chunk's last-position logits."""
     layers = model.feature_layers
     for start in range(0, prompt.size, PREFILL_STEP):
         chunk = prompt[None, start : start + PREFILL_STEP]
-        last = start + PREFILL_STEP >= prompt.size
         logits, features = model.target(chunk, tcache, layers, logits_for_last_only=True)
         context.add(features)
         mx.eval(logits, _arrays([c.state for c in tcache.layers]), _arrays([c.state for c in context.flush() or []]))
-        if not last:
+        if start + PREFILL_STEP < prompt.size:
             mx.clear_cache()
-    return logits[0, -1]
+        yield logits[0, -1]
 
 
-def prefill_prompt(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context,
-                   prompt_cache: Optional[PromptCache], stats: DecodeStats) -> mx.array:
+def prefill_steps(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context,
+                  prompt_cache: Optional[PromptCache], stats: DecodeStats) -> Iterator[Optional[mx.array]]:
     """Prefill all but the last prompt token, then the last one alone (as mlx-lm does), so
     a prompt gives the same logits whether or not `prompt_cache` held its prefix: the
-    longest stored prefix is restored, and the state before the last token is stored."""
+    longest stored prefix is restored, and the state before the last token is stored.
+    One chunk per iteration (a batch runs its decode steps in between): None, and at the
+    end the last position's logits."""
     tokens = prompt.tolist()
     start = 0
     hit = prompt_cache.fetch(tokens) if prompt_cache is not None else None
@@ -144,10 +189,19 @@ def prefill_prompt(model: DFlashModel, prompt: mx.array, tcache: TargetCache, co
         context.cache = restored_context
     stats.cached_tokens = start
     if len(tokens) - 1 > start:
-        prefill(model, prompt[start:-1], tcache, context)
+        for _ in prefill(model, prompt[start:-1], tcache, context):
+            yield None
         if prompt_cache is not None:
             prompt_cache.store(tokens[:-1], tcache, context.flush())
-    return prefill(model, prompt[-1:], tcache, context)
+    yield from prefill(model, prompt[-1:], tcache, context)
+
+
+def prefill_prompt(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context,
+                   prompt_cache: Optional[PromptCache], stats: DecodeStats) -> mx.array:
+    """prefill_steps all at once: the last position's logits."""
+    for logits in prefill_steps(model, prompt, tcache, context, prompt_cache, stats):
+        pass
+    return logits
 
 
 def _arrays(tree) -> list[mx.array]:
@@ -206,42 +260,22 @@ def decode(
     stats = stats if stats is not None else DecodeStats()
     stats.block_size = width
     tcache = model.target.make_cache()
-    context = Context(model)
-    position_noise = None if params.greedy else Noise(new_seed() if seed is None else seed, model.target.vocab_size)
-    lookup = PromptLookup(prompt.tolist()) if adaptive else None
-    constraint = grammar.start() if grammar is not None else None
-
-    def allowed_next() -> Optional[mx.array]:
-        """The grammar's mask of the next position (None without a grammar)."""
-        return None if constraint is None else constraint.masks([])[0]
+    seq = Sequence(model, prompt, params, seed, stats, adaptive, logprobs, grammar)
     if adaptive:
         model.chooser.start()
 
-    def noise(start: int, count: int) -> Optional[mx.array]:
-        return None if position_noise is None else position_noise.at(start, count)
-
-    def step_noise(position: int) -> Optional[mx.array]:
-        return None if position_noise is None else position_noise.at(position, 1)[0]
-
-    def step(committed: list[int], accepted: int, logits: mx.array) -> Step:
-        if constraint is not None:
-            constraint.commit(committed)
-        return Step(committed, accepted, None if logprobs is None else token_logprobs(logits, committed, logprobs))
-
     def plan_for(limit: int) -> Plan:
         if adaptive:
-            return model.chooser.choose(limit, params, lookup.propose(limit - 1))
+            return model.chooser.choose(limit, params, seq.lookup.propose(limit - 1))
         return Plan(min(width, limit), "dflash") if min(width, limit) > 1 else PLAIN
 
     tic = time.perf_counter()
-    logits = prefill_prompt(model, prompt, tcache, context, prompt_cache, stats)
-    token = choose(masked(logits, allowed_next()), params, step_noise(0))
+    logits = prefill_prompt(model, prompt, tcache, seq.context, prompt_cache, stats)
+    token = choose(masked(logits, seq.allowed_next()), params, seq.noise_at(0))
     token = mx.array(token.item())
     stats.prompt_seconds = time.perf_counter() - tic
     tic = time.perf_counter()
-    if lookup is not None:
-        lookup.extend([token.item()])
-    yield step([token.item()], 0, logits[None])
+    yield seq.step([token.item()], 0, logits[None])
     produced = 1
 
     queued, decided = None, None  # a plain step already in flight; a plan chosen ahead
@@ -250,8 +284,8 @@ def decode(
         left = max_tokens - produced
         plan, decided = decided or plan_for(left), None
         if plan.width == 1:
-            next_token, logits = queued or plain_step(model, token, tcache, context, params, step_noise(produced),
-                                                      allowed_next())
+            next_token, logits = queued or plain_step(model, token, tcache, seq.context, params,
+                                                      seq.noise_at(produced), seq.allowed_next())
             # A plain cycle teaches the chooser nothing, so the next plan is known before
             # this token is: queue the next plain step now, and the graph of step t+1 is
             # built while step t computes.  Unless the plan would take the prompt lookup's
@@ -261,31 +295,29 @@ def decode(
                 decided = plan_for(left - 1)
                 if decided.source == "lookup":
                     decided = None
-                elif decided.width == 1 and constraint is None:  # a grammar's next mask needs this token
-                    queued = plain_step(model, next_token, tcache, context, params, step_noise(produced + 1))
+                elif decided.width == 1 and seq.constraint is None:  # a grammar's next mask needs this token
+                    queued = plain_step(model, next_token, tcache, seq.context, params, seq.noise_at(produced + 1))
                     mx.async_eval(queued[0])
             n, committed, logits = 0, [next_token.item()], logits[-1:]
         else:
-            block_noise = noise(produced, plan.width)
+            block_noise = seq.noise(produced, plan.width)
             if plan.source == "lookup":
                 proposal = mx.array(plan.tokens, dtype=mx.int32)
             else:
-                proposal = draft(model, token, context, plan.width, params, block_noise)
+                proposal = draft(model, token, seq.context, plan.width, params, block_noise)
             logits, features = verify(model, token, proposal, tcache)
-            mask = None if constraint is None else constraint.masks(proposal.tolist())
-            n, next_token = accept(proposal, choose(masked(logits, mask), params, block_noise))
+            n, next_token = accept(proposal, choose(masked(logits, seq.masks(proposal.tolist())), params, block_noise))
             mx.eval(n, next_token, proposal)
             n = n.item()
             tcache.rollback(n + 1)
-            context.add(features[:, : n + 1])
+            seq.context.add(features[:, : n + 1])
             committed, logits = proposal[:n].tolist() + [next_token.item()], logits[: n + 1]
         if adaptive:
             model.chooser.record(plan, n, time.perf_counter() - started, params)
-            lookup.extend(committed)
         token = next_token
         produced += len(committed)
         stats.accepted_lengths.append(len(committed))
         stats.widths.append(plan.width)
         stats.sources.append(plan.source)
         stats.decode_seconds = time.perf_counter() - tic
-        yield step(committed, n, logits)
+        yield seq.step(committed, n, logits)

@@ -41,6 +41,17 @@ class Tape:
         conv_state = self.conv_input[:, steps : steps + window]
         return mx.contiguous(conv_state), gated_delta_replay(state, self.k, self.g, self.delta, steps)
 
+    def replay_rows(self, state: Optional[mx.array], steps: list[int]):
+        """`replay` with each row of the batch taking its own number of steps: the steps past a
+        row's count decay by exactly 1 and write exactly 0, as mlx-lm's padded steps do."""
+        window = self.conv_input.shape[1] - self.length
+        counts = mx.array(steps)[:, None]
+        conv_state = mx.take_along_axis(self.conv_input, (counts + mx.arange(window))[..., None], axis=1)
+        live = mx.arange(self.length)[None] < counts  # (B, S)
+        g = mx.where(live[..., None], self.g, 1.0)
+        delta = mx.where(live[..., None, None], self.delta, 0.0)
+        return mx.contiguous(conv_state), gated_delta_replay(state, self.k, g, delta, max(steps))
+
 
 def _project_qwen3_5(mixer, x):
     B, S, _ = x.shape

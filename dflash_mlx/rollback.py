@@ -5,13 +5,15 @@ One small class per cache kind, all with the same two calls:
     checkpoint()   before the verify pass
     rollback(keep) after it: keep only the first `keep` tokens fed since
 
-so the decode loop never asks what kind of layer it is talking to.
+so the decode loop never asks what kind of layer it is talking to.  The batch
+handlers (Batch*) take one keep per row: each row of a batched verify keeps its
+own accepted prefix.
 """
 
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
 from .gated_delta import Tape
 
@@ -91,6 +93,39 @@ class GatedDeltaState:
         self.tape, self.recording = None, False
 
 
+class BatchTrimmableKV:
+    """Full-attention KV of a batch (mlx-lm's BatchKVCache: rows share one write index, shorter
+    rows are left-padded).  The batch is trimmed to its longest kept prefix and every shorter
+    row is rolled right by what it keeps less, so all rows end at the shared index again; the
+    rejected tokens end up in the row's left padding, which the mask hides (mlx-lm's own
+    right-to-left padding step)."""
+
+    def __init__(self, cache: BatchKVCache):
+        self.cache = cache
+        self._start = 0
+
+    def checkpoint(self):
+        self._start = self.cache._idx
+
+    def rollback(self, keep: list[int]):
+        longest = max(keep)
+        self.cache.trim(self.cache._idx - (self._start + longest))
+        if min(keep) < longest:
+            self.cache.prepare(right_padding=[longest - k for k in keep])
+            self.cache.finalize()
+
+
+class BatchGatedDeltaState(GatedDeltaState):
+    """GatedDeltaNet states of a batch: each row replays its own number of accepted steps."""
+
+    def rollback(self, keep: list[int]):
+        if self.tape is None:
+            raise RuntimeError("GatedDeltaNet rollback needs the tape of a checkpointed pass")
+        if min(keep) < self.tape.length:
+            self.cache[0], self.cache[1] = self.tape.replay_rows(self._saved[1], keep)
+        self.tape, self.recording = None, False
+
+
 class UnsupportedCache(TypeError):
     pass
 
@@ -109,3 +144,13 @@ def checkpointed(cache: Any):
         f"dflash-mlx cannot roll back a {type(cache).__name__} yet; "
         "supported caches: KVCache, RotatingKVCache, GatedDeltaNet state"
     )
+
+
+def checkpointed_batch(cache: Any):
+    """The batch counterpart of `checkpointed`, for a layer cache merged from rows' caches."""
+    if type(cache) is BatchKVCache:
+        return BatchTrimmableKV(cache)
+    if type(cache) is ArraysCache:
+        return BatchGatedDeltaState(cache)
+    raise UnsupportedCache(f"dflash-mlx cannot batch a {type(cache).__name__}; "
+                           "batched caches: KVCache (sliding windows included), GatedDeltaNet state")

@@ -21,17 +21,21 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .gated_delta import MIXER_PROJECTIONS, gated_delta_forward
-from .rollback import GatedDeltaState, UnsupportedCache, checkpointed
+from .rollback import BatchTrimmableKV, GatedDeltaState, UnsupportedCache, checkpointed, checkpointed_batch
 
 
 class TargetCache:
-    """The target's per-layer mlx-lm caches plus their rollback handlers."""
+    """The target's per-layer mlx-lm caches plus their rollback handlers.  A cache made
+    `batchable` keeps whole sliding-window layers (a KVCache: the model's window mask does
+    the windowing) so it can be merged into a BatchTargetCache."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, batchable: bool = False):
         self.layers = make_prompt_cache(model)
+        if batchable:
+            self.layers = [_unwindowed(c) for c in self.layers]
         self.handlers = [checkpointed(c) for c in self.layers]
 
     @property
@@ -44,6 +48,51 @@ class TargetCache:
             h.checkpoint()
 
     def rollback(self, keep: int):
+        for h in self.handlers:
+            h.rollback(keep)
+
+
+def _unwindowed(cache):
+    if not isinstance(cache, RotatingKVCache):
+        return cache
+    if cache.keep:
+        raise UnsupportedCache(f"a sliding window that keeps its first {cache.keep} tokens cannot be batched")
+    return KVCache()
+
+
+class BatchTargetCache:
+    """Several requests' target caches as one batch (mlx-lm's batch caches: rows share one
+    write index; each row keeps its own length and rolls back its own accepted prefix)."""
+
+    def __init__(self, rows: list[TargetCache]):
+        self.layers = [type(row_caches[0]).merge(list(row_caches)) for row_caches in zip(*(r.layers for r in rows))]
+        self.handlers = [checkpointed_batch(c) for c in self.layers]
+
+    @property
+    def size(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Tokens each row holds."""
+        return next(h.cache.offset for h in self.handlers if isinstance(h, BatchTrimmableKV)).tolist()
+
+    def extend(self, other: "BatchTargetCache"):
+        """Append `other`'s rows (after this batch's)."""
+        for cache, more in zip(self.layers, other.layers):
+            cache.extend(more)
+
+    def keep_rows(self, rows: list[int]):
+        """Drop every row not in `rows` (the common left padding goes with them)."""
+        index = mx.array(rows, dtype=mx.int32)
+        for cache in self.layers:
+            cache.filter(index)
+
+    def checkpoint(self):
+        for h in self.handlers:
+            h.checkpoint()
+
+    def rollback(self, keep: list[int]):
         for h in self.handlers:
             h.rollback(keep)
 
@@ -192,8 +241,16 @@ class Target:
         mx.eval(weight, bias)
         return lambda h: h @ weight.T + bias if bias is not None else h @ weight.T
 
-    def make_cache(self) -> TargetCache:
-        return TargetCache(self.model)
+    def make_cache(self, batchable: bool = False) -> TargetCache:
+        return TargetCache(self.model, batchable)
+
+    def batch_refusal(self) -> str | None:
+        """Why requests to this target cannot be decoded in batches (None: they can)."""
+        try:
+            BatchTargetCache([self.make_cache(batchable=True)])
+        except UnsupportedCache as e:
+            return str(e)
+        return None
 
     def __call__(
         self,

@@ -1,6 +1,7 @@
 """`dflash-mlx serve` against the real `openai` client, on loopback, with a tiny model."""
 
 import json
+import re
 import socket
 import threading
 import time
@@ -80,10 +81,12 @@ def test_stop_seed_and_block_size(served):
 def test_models_health_metrics(served):
     client, _, _, port, _ = served
     models = client.models.list()
-    assert models.data[0].id == MODEL and models.data[0].model_extra["dflash"]["batching"] is False
+    dflash = models.data[0].model_extra["dflash"]
+    assert models.data[0].id == MODEL and dflash["batching"] is True and dflash["max_batch"] == 8
     assert raw(port, "/health") == (200, '{"status":"ok"}')
     status, text = raw(port, "/metrics")
     assert status == 200 and "dflash_tau" in text and 'dflash_requests_total{status="200"}' in text
+    assert "dflash_batch_size " in text and re.search(r'dflash_batch_steps_total\{size="1",mode="(plain|draft)"\} [1-9]', text)
 
 
 @pytest.mark.parametrize("body, content_type, status, needle", [
@@ -289,7 +292,7 @@ def test_tool_calls_reach_the_response(served, monkeypatch):
                                   generation_tps=1.0, cached_tokens=0, logprobs=None, stop_sequence=None)
 
     monkeypatch.setattr(worker, "stream_generate", scripted)
-    app = make_app(model, ToolTokenizer(tokenizer), MODEL, prompt_cache_bytes=0).app
+    app = make_app(model, ToolTokenizer(tokenizer), MODEL, prompt_cache_bytes=0, max_batch=1).app
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools}
     with TestClient(app) as http:
@@ -316,3 +319,31 @@ def test_a_full_queue_answers_429(served):
     with TestClient(server.app) as http:
         reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert reply.status_code == 429 and reply.json()["error"]["code"] == "queue_full"
+
+
+def test_concurrent_requests_are_batched_and_each_is_exact(served):
+    """Clients at once are decoded in shared batch steps (the metrics say so); each answer, greedy
+    or seeded sampled, equals its offline run; n choices are the seeds seed, seed + 1, ..."""
+    client, model, tokenizer, port, server = served
+    jobs = [("one two", None), ("three", 5), ("four five six", None), ("seven", 9)]
+    expected = [generate(model, tokenizer, p, max_tokens=16, **({} if s is None else {"temp": 0.8, "seed": s}))
+                for p, s in jobs]
+    before = sum(n for (size, _), n in server.metrics.batch_steps.items() if size > 1)
+    got = [None] * len(jobs)
+
+    def user(i):
+        prompt, seed = jobs[i]
+        extra = {} if seed is None else {"temperature": 0.8, "seed": seed}
+        got[i] = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **extra).choices[0].text
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == expected
+    assert sum(n for (size, _), n in server.metrics.batch_steps.items() if size > 1) > before
+
+    reply = client.completions.create(model=MODEL, prompt="one two", max_tokens=10, n=3, temperature=0.9, seed=4)
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [
+        generate(model, tokenizer, "one two", max_tokens=10, temp=0.9, seed=4 + k) for k in range(3)]

@@ -24,10 +24,11 @@ CALL = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_cal
 def live(tiny_dirs):
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
-    http, port = serve_in_background(make_app(model, tokenizer, "tiny", max_queue=4))
+    server = make_app(model, tokenizer, "tiny", max_queue=4)
+    http, port = serve_in_background(server)
     base = f"http://127.0.0.1:{port}"
     yield SimpleNamespace(
-        model=model, tokenizer=tokenizer, port=port, base=base,
+        model=model, tokenizer=tokenizer, port=port, base=base, server=server,
         openai=openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
         anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0))
     http.should_exit = True
@@ -39,9 +40,10 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 @pytest.fixture
-def scripted(monkeypatch):
+def scripted(live, monkeypatch):
     """The engine replaced by a script: each request gets the next list of text pieces; the
-    prompts it was asked to continue are recorded (token ids)."""
+    prompts it was asked to continue are recorded (token ids).  The one-at-a-time worker
+    runs the script (the batching one decodes for real)."""
     replies, prompts = [], []
 
     def stream_generate(model, tokenizer, prompt, max_tokens, **options):
@@ -55,7 +57,10 @@ def scripted(monkeypatch):
                                   generation_tps=1.0, cached_tokens=0, logprobs=None, stop_sequence=None)
 
     monkeypatch.setattr(worker, "stream_generate", stream_generate)
-    return replies, prompts
+    single = worker.Worker(live.model, live.tokenizer, 4)
+    monkeypatch.setattr(live.server, "worker", single)
+    yield replies, prompts
+    single.stop()
 
 
 # ---------------------------------------------------------------- Anthropic Messages

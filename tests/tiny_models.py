@@ -150,3 +150,24 @@ def oracle_draft(target: Target, reference: list[int], wrong=frozenset(), **kwar
     model = OracleDraft(draft_args(target, **kwargs), reference, wrong)
     mx.eval(model.parameters())
     return model.bind(target)
+
+
+class RowsOracleDraft(OracleDraft):
+    """An OracleDraft for a batch: several references, the one a block continues picked by
+    its position and last token (the first that fits: a rare mix-up only costs acceptance)."""
+
+    def __init__(self, args: DraftArgs, references: list[list[int]], wrong: list[set[int]]):
+        super().__init__(args, references[0])
+        self.references, self.wrongs = references, wrong
+
+    def __call__(self, block, cache):
+        start, last = cache[0].offset, block[0, 0].item()
+        pick = next((i for i, r in enumerate(self.references) if start < len(r) and r[start] == last), 0)
+        self.reference, self.wrong = self.references[pick], self.wrongs[pick]
+        return super().__call__(block, cache)
+
+
+def rows_oracle_draft(target: Target, references: list[list[int]], wrong: list[set[int]], **kwargs) -> RowsOracleDraft:
+    model = RowsOracleDraft(draft_args(target, **kwargs), references, wrong)
+    mx.eval(model.parameters())
+    return model.bind(target)

@@ -27,18 +27,23 @@ from .anthropic_api import AnthropicAPI
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
 from .protocol import RequestError, number
-from .worker import DONE, Job, QueueFull, Worker
+from .worker import DONE, BatchWorker, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
 
 
 class Server:
     def __init__(self, model, tokenizer, model_id: str, max_queue: int = 16, context: Optional[int] = None,
-                 prompt_cache_bytes: int = 1 << 30):
+                 prompt_cache_bytes: int = 1 << 30, max_batch: int = 8):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
-        self.worker = Worker(model, tokenizer, max_queue, on_finish=self.metrics.finished)
+        self.max_batch = max_batch
+        if max_batch > 1:
+            self.worker = BatchWorker(model, tokenizer, max_queue, self.metrics.finished, max_batch,
+                                      self.prompt_cache, self.metrics.batch_step)
+        else:
+            self.worker = Worker(model, tokenizer, max_queue, on_finish=self.metrics.finished)
         self.context = context
         self.openai, self.anthropic = OpenAIAPI(self), AnthropicAPI(self)
         self.app = Starlette(routes=[
@@ -72,7 +77,7 @@ class Server:
             "id": self.model_id, "object": "model", "created": int(time.time()), "owned_by": "dflash-mlx",
             "dflash": {"drafter": draft is not None, "block_size": draft.block_size if draft else 1,
                        "adaptive_width": self.model.chooser is not None,
-                       "batching": False,  # one request at a time (FIFO); said here so nobody has to guess
+                       "batching": self.max_batch > 1, "max_batch": self.max_batch,
                        "prefix_cache": self.prompt_cache is not None,
                        "pipeline_ranks": getattr(self.model.target, "size", 1)},
         }]})
@@ -145,10 +150,22 @@ class Server:
         self.metrics.rejected(error.status)
 
 
-def make_app(model, tokenizer, model_id: str, max_queue: int = 16, prompt_cache_bytes: int = 1 << 30) -> Server:
+def make_app(model, tokenizer, model_id: str, max_queue: int = 16, prompt_cache_bytes: int = 1 << 30,
+             max_batch: int = 8) -> Server:
+    """The server; with max_batch > 1, requests are decoded in batches when the target allows
+    (`batch_refusal()` says why not; the caller tells the user)."""
     from ..api import _context_limit
 
-    return Server(model, tokenizer, model_id, max_queue, _context_limit(model.target), prompt_cache_bytes)
+    if max_batch > 1 and batch_refusal(model):
+        max_batch = 1
+    return Server(model, tokenizer, model_id, max_queue, _context_limit(model.target), prompt_cache_bytes, max_batch)
+
+
+def batch_refusal(model) -> Optional[str]:
+    """Why this model's requests are decoded one at a time (None: they are batched)."""
+    if getattr(model.target, "size", 1) > 1:
+        return "the pipeline-parallel mode decodes one request at a time"
+    return model.target.batch_refusal()
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8080) -> None:
@@ -175,4 +192,4 @@ def serve_in_background(server: Server, host: str = "127.0.0.1"):
     return http, port
 
 
-__all__: list[Any] = ["Server", "make_app", "run", "serve_in_background"]
+__all__: list[Any] = ["Server", "batch_refusal", "make_app", "run", "serve_in_background"]

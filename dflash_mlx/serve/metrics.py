@@ -18,6 +18,8 @@ class Metrics:
         self.committed = Counter()  # tokens committed per cycle -> cycles
         self.last_tps = 0.0
         self.prefix_cache_hits = 0
+        self.batch_steps = Counter()
+        self.batch_size = 0  # rows in the last batch step  # (batch size, "plain" | "draft") -> steps
 
     def finished(self, last, cancelled: bool = False) -> None:
         with self._lock:
@@ -30,6 +32,11 @@ class Metrics:
             for k, n in enumerate(last.acceptance_histogram, start=1):
                 self.committed[k] += n
             self.last_tps = last.generation_tps
+
+    def batch_step(self, size: int, width: int) -> None:
+        with self._lock:
+            self.batch_steps[size, "draft" if width > 1 else "plain"] += 1
+            self.batch_size = size
 
     def rejected(self, status: int) -> None:
         with self._lock:
@@ -68,5 +75,12 @@ class Metrics:
                 "# TYPE dflash_queue_depth gauge", f"dflash_queue_depth {queue_depth}",
                 "# TYPE dflash_prefix_cache_hits_total counter",
                 f"dflash_prefix_cache_hits_total {self.prefix_cache_hits}",
+                "# HELP dflash_batch_size Requests decoded together in the last batch step.",
+                "# TYPE dflash_batch_size gauge", f"dflash_batch_size {self.batch_size}",
+                "# HELP dflash_batch_steps_total Batch steps by batch size and mode (draft: a batched "
+                "verify of drafted tokens; plain: batched plain decoding).",
+                "# TYPE dflash_batch_steps_total counter",
+                *(f'dflash_batch_steps_total{{size="{size}",mode="{mode}"}} {n}'
+                  for (size, mode), n in sorted(self.batch_steps.items())),
             ]
         return "\n".join(lines) + "\n"

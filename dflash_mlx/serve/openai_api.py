@@ -333,22 +333,24 @@ class OpenAIAPI:
 
 
 class _Choices:
-    """The n choices of a request, decoded one after another: async-iterates (index, events)."""
+    """The n choices of a request: all queued at once (a batching engine decodes them together),
+    async-iterated as (index, events) in order."""
 
     def __init__(self, api: OpenAIAPI, prompt, max_tokens, options, n, job, first):
         self.api, self.prompt, self.max_tokens, self.options, self.n = api, prompt, max_tokens, options, n
-        self.job, self.first = job, first
+        self.started = [(job, first)]
 
     async def __aiter__(self):
-        for index in range(self.n):
-            if index:
-                seed = self.options["seed"]
-                options = {**self.options, "seed": None if seed is None else seed + index}
-                self.job, self.first = await self.api.server.start(self.prompt, self.max_tokens, options)
-            yield index, self.api.server.events(self.job, self.first)
+        seed = self.options["seed"]
+        for index in range(1, self.n):
+            options = {**self.options, "seed": None if seed is None else seed + index}
+            self.started.append(await self.api.server.start(self.prompt, self.max_tokens, options))
+        for index, (job, first) in enumerate(self.started):
+            yield index, self.api.server.events(job, first)
 
     def close(self):
-        self.job.cancelled.set()
+        for job, _ in self.started:
+            job.cancelled.set()
 
 
 class _Response:

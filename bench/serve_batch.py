@@ -1,0 +1,212 @@
+"""`dflash-mlx serve` against `mlx_lm.server --decode-concurrency` under concurrent clients.
+
+Both servers run on the same fp32 weights (the offline SmolLM2-135M-Instruct), mlx_lm.server
+with OpenBLAS loaded the way our set-up loads it (LD_PRELOAD of Debian's libblas.so.3).  For
+each level (clients x answer length x greedy / sampled), both servers get the same chat
+requests, one after the other (theirs first, then ours), each client sending `--requests`
+requests back to back.  Reports aggregate completion tokens per second and p50 / p95 request
+latency, the ratio ours / theirs, and checks every answer of ours against offline
+`generate()` (greedy, and sampled with the request's seed; mlx_lm.server turns batching off
+for seeded requests, so its sampled requests carry no seed).
+
+    python bench/serve_batch.py --clients 1,2,4,8,16 --max-tokens 64,256 --modes greedy,sampled \\
+        --out bench/results/serve-batch
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from statistics import median, quantiles
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from dflash_mlx.io.blas import _find as openblas_path  # noqa: E402
+
+TEMPERATURE = 0.7
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"a server exited during start-up (code {process.returncode})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit("a server did not start within 10 minutes")
+
+
+def start_servers(model_dir: Path, max_batch: int):
+    python = sys.executable
+    ours_port, theirs_port = free_port(), free_port()
+    ours = subprocess.Popen([python, "-m", "dflash_mlx.cli", "serve", "--port", str(ours_port),
+                             "--max-batch", str(max_batch)], stderr=subprocess.DEVNULL)
+    env = dict(os.environ)
+    blas = openblas_path()
+    if blas:
+        env.update(LD_PRELOAD=blas, LD_LIBRARY_PATH=str(Path(blas).parent))
+    env.setdefault("HF_HUB_CACHE", str(Path.home() / ".cache" / "huggingface" / "hub"))
+    Path(env["HF_HUB_CACHE"]).mkdir(parents=True, exist_ok=True)
+    theirs = subprocess.Popen([python, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(theirs_port),
+                               "--decode-concurrency", str(max_batch)], env=env, stderr=subprocess.DEVNULL)
+    wait_ready(ours_port, ours)
+    wait_ready(theirs_port, theirs)
+    return (ours, ours_port), (theirs, theirs_port)
+
+
+def drive(port: int, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
+          sampled: bool, seeded: bool) -> dict:
+    """`clients` threads, each sending `requests` chat requests back to back."""
+    import openai
+
+    answers, latencies, tokens, errors = {}, [], [0], []
+    lock = threading.Lock()
+
+    def client(k: int):
+        local = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
+        for r in range(requests):
+            index = k * requests + r
+            extra = {}
+            if sampled:
+                extra["temperature"] = TEMPERATURE
+                if seeded:
+                    extra["seed"] = index
+            tic = time.perf_counter()
+            try:
+                reply = local.chat.completions.create(model=model, max_tokens=max_tokens,
+                                                      messages=[{"role": "user", "content": prompts[index]}], **extra)
+            except openai.APIError as e:
+                with lock:
+                    errors.append(repr(e))
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - tic)
+                tokens[0] += reply.usage.completion_tokens
+                answers[index] = reply.choices[0].message.content
+        local.close()
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - tic
+    p95 = quantiles(latencies, n=20)[-1] if len(latencies) >= 2 else max(latencies, default=0)
+    return {"tok_s": tokens[0] / seconds, "p50": median(latencies) if latencies else 0, "p95": p95,
+            "errors": errors, "answers": answers, "requests": clients * requests}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", default="1,2,4,8,16")
+    parser.add_argument("--max-tokens", default="64,256")
+    parser.add_argument("--modes", default="greedy,sampled")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
+    parser.add_argument("--max-batch", type=int, default=16, help="ours --max-batch = theirs --decode-concurrency")
+    parser.add_argument("--check", type=int, default=3,
+                        help="answers of ours per level compared with offline generate() (-1: all)")
+    parser.add_argument("--out", default=None, help="folder for results.json, results.md and a plot")
+    args = parser.parse_args()
+
+    import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
+    from dflash_mlx.api import format_prompt, generate, load
+    from dflash_mlx.bench.prompt_sets import load_prompts
+    from dflash_mlx.convert.smollm2 import smollm2_path
+
+    levels = [int(c) for c in args.clients.split(",")]
+    lengths = [int(n) for n in args.max_tokens.split(",")]
+    modes = args.modes.split(",")
+    most = max(levels) * args.requests
+    prompts = (load_prompts("mtbench") + load_prompts("gsm8k") + load_prompts("humaneval"))[:most]
+    model, tokenizer = load(None)
+    (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), args.max_batch)
+    rows = []
+    try:
+        for max_tokens in lengths:
+            for mode in modes:
+                sampled = mode == "sampled"
+                for clients in levels:
+                    n = clients * args.requests
+                    theirs_run = drive(theirs_port, "default_model", prompts, clients, args.requests, max_tokens,
+                                       sampled, seeded=False)
+                    ours_run = drive(ours_port, "SmolLM2-135M-Instruct", prompts, clients, args.requests,
+                                     max_tokens, sampled, seeded=True)
+                    wrong, checked = 0, sorted(ours_run["answers"].items())
+                    for index, text in checked if args.check < 0 else checked[: args.check]:
+                        options = {"temp": TEMPERATURE, "seed": index} if sampled else {}
+                        prompt = format_prompt(tokenizer, prompts[index])
+                        wrong += text != generate(model, tokenizer, prompt, max_tokens=max_tokens, **options)
+                    lost = n - len(ours_run["answers"])
+                    row = {"clients": clients, "max_tokens": max_tokens, "mode": mode,
+                           "theirs_tok_s": theirs_run["tok_s"], "ours_tok_s": ours_run["tok_s"],
+                           "ratio": ours_run["tok_s"] / max(theirs_run["tok_s"], 1e-9),
+                           "theirs_p50": theirs_run["p50"], "theirs_p95": theirs_run["p95"],
+                           "ours_p50": ours_run["p50"], "ours_p95": ours_run["p95"],
+                           "ours_lost": lost, "ours_wrong": wrong,
+                           "checked": len(checked) if args.check < 0 else min(args.check, len(checked)), "theirs_lost": n - len(theirs_run["answers"])}
+                    rows.append(row)
+                    print(f"{mode:7s} {max_tokens:3d} tok, {clients:2d} clients: mlx_lm.server {row['theirs_tok_s']:6.1f} "
+                          f"tok/s (p50 {row['theirs_p50']:.1f} s, p95 {row['theirs_p95']:.1f} s) | ours "
+                          f"{row['ours_tok_s']:6.1f} tok/s (p50 {row['ours_p50']:.1f} s, p95 {row['ours_p95']:.1f} s) "
+                          f"| {row['ratio']:.2f}x | ours lost {lost}, not equal to generate() {wrong}", flush=True)
+    finally:
+        for process in (ours, theirs):
+            process.terminate()
+            process.wait(timeout=60)
+    if args.out:
+        save(rows, Path(args.out), args)
+
+
+def save(rows: list[dict], out: Path, args) -> None:
+    from dflash_mlx.bench.harness import machine
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"machine": machine(), "command": " ".join(sys.argv),
+                                                  "rows": rows}, indent=1))
+    lines = [f"Machine: {machine()}", f"Command: `python {' '.join(sys.argv)}`", "",
+             "| mode | tokens | clients | mlx_lm.server tok/s | p50 / p95 s | ours tok/s | p50 / p95 s | ours / theirs "
+             "| ours lost / not exact |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['max_tokens']} | {r['clients']} | {r['theirs_tok_s']:.1f} | "
+                     f"{r['theirs_p50']:.1f} / {r['theirs_p95']:.1f} | {r['ours_tok_s']:.1f} | "
+                     f"{r['ours_p50']:.1f} / {r['ours_p95']:.1f} | **{r['ratio']:.2f}x** | "
+                     f"{r['ours_lost']} / {r['ours_wrong']} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        from dflash_mlx.bench.plots import _pyplot
+        plt = _pyplot()
+    except Exception:  # matplotlib is an extra: the table is the result
+        return
+    groups = sorted({(r["mode"], r["max_tokens"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.2), squeeze=False)
+    for ax, (mode, tokens) in zip(axes[0], groups):
+        part = [r for r in rows if (r["mode"], r["max_tokens"]) == (mode, tokens)]
+        ax.plot([r["clients"] for r in part], [r["theirs_tok_s"] for r in part], "o-", label="mlx_lm.server")
+        ax.plot([r["clients"] for r in part], [r["ours_tok_s"] for r in part], "o-", label="dflash-mlx serve")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{mode}, {tokens} tokens")
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("aggregate tok/s")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

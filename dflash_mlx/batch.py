@@ -1,0 +1,257 @@
+"""Several requests decoded together: one target pass per step for all of them.
+
+    join    a request's prompt is prefilled alone, one chunk per step (the running rows
+            keep decoding in between), then its caches are merged into the batch
+    step    every row proposes for a shared width w (its drafter context, or its prompt
+            lookup), one target pass verifies B x w tokens, each row accepts its own
+            prefix and rolls back its own caches (the batch handlers in rollback.py)
+    leave   finished and cancelled rows are filtered out between steps
+
+With a cost model (adaptive.py), the width is chosen for the whole batch: the w that
+maximises the tokens all rows are expected to commit per second, a pass over B x w tokens
+plus the rows' drafter passes.  On a CPU, where a pass is compute-bound, a large batch
+decodes plain (w = 1); where the pass cost is flat in its length (a Mac GPU), drafting
+pays at small and medium batch sizes.  Without one, each row drafts its own block.
+
+Every row's output is what it gets alone: greedy chooses the same tokens, sampling draws
+the same noise per (seed, position) (sampling.py), and a row's rollback restores its caches
+to its own kept prefix.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import mlx.core as mx
+
+from .adaptive import PLAIN, AcceptanceEstimate, Plan
+from .engine import DecodeStats, DFlashModel, Sequence, draft, prefill_steps
+from .grammar import Grammar, masked
+from .prompt_cache import PromptCache
+from .sampling import SamplingParams, choose
+from .target import BatchTargetCache, TargetCache
+
+
+@dataclass
+class Row:
+    """One request in the batch."""
+
+    uid: int
+    seq: Sequence
+    max_tokens: int
+    block: int  # its widest verify (its block size; 1 without a drafter)
+    adaptive: bool  # its width follows the batch's plan (no block size asked for)
+    tcache: Optional[TargetCache]  # its own cache, until it joins the batch
+    filling: Optional[Iterator]  # its prefill, one chunk per step
+    token: int = -1  # the last committed token
+    produced: int = 0
+    estimates: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate
+
+    @property
+    def stats(self) -> DecodeStats:
+        return self.seq.stats
+
+    @property
+    def left(self) -> int:
+        return self.max_tokens - self.produced
+
+
+@dataclass
+class BatchStep:
+    """What one step did: the batch size and verify width, and each row's committed tokens."""
+
+    size: int
+    width: int
+    steps: dict  # uid -> Step (a joining row's first token included)
+
+
+class BatchDecoder:
+    def __init__(self, model: DFlashModel, prompt_cache: Optional[PromptCache] = None, max_batch: int = 8):
+        self.model, self.prompt_cache, self.max_batch = model, prompt_cache, max_batch
+        self.rows: list[Row] = []  # decoding, in the batch cache's row order
+        self.joining: list[Row] = []  # waiting for (or in) their prefill
+        self.cache: Optional[BatchTargetCache] = None
+        self._next_uid = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.joining)
+
+    def add(self, prompt: mx.array, params: SamplingParams, max_tokens: int, block_size: Optional[int] = None,
+            seed: Optional[int] = None, logprobs: Optional[int] = None, grammar: Optional[Grammar] = None,
+            stats: Optional[DecodeStats] = None) -> int:
+        """Queue a request (arguments as engine.decode's); its uid.  Its Steps come out of step()."""
+        model = self.model
+        adaptive = model.draft is not None and block_size is None and model.chooser is not None
+        block = 1 if model.draft is None else (block_size or model.draft.block_size)
+        stats = stats if stats is not None else DecodeStats()
+        stats.block_size = block
+        seq = Sequence(model, prompt, params, seed, stats, adaptive, logprobs, grammar)
+        tcache = model.target.make_cache(batchable=True)
+        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        row = Row(uid, seq, max_tokens, block, adaptive, tcache,
+                  prefill_steps(model, prompt, tcache, seq.context, self.prompt_cache, stats))
+        self.joining.append(row)
+        return uid
+
+    def remove(self, uid: int) -> None:
+        """Drop a request (finished, stopped or cancelled); its row is freed before the next step."""
+        self.joining = [row for row in self.joining if row.uid != uid]
+        kept = [i for i, row in enumerate(self.rows) if row.uid != uid]
+        if len(kept) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in kept]
+        if not kept:
+            self.cache = None
+        else:
+            self.cache.keep_rows(kept)
+
+    def step(self) -> BatchStep:
+        """One prefill chunk of the first joining request (when there is room), then one decode
+        step of the batch.  Rows that reach their max_tokens leave by themselves."""
+        steps = {}
+        if self.joining and len(self.rows) < self.max_batch:
+            row = self.joining[0]
+            if row.filling is not None:
+                steps.update(self._fill(row))
+        size, width = len(self.rows), 0
+        if self.rows:
+            width = self._decode(steps)
+        for row in list(self.rows):
+            if row.left <= 0:
+                self.remove(row.uid)
+        return BatchStep(size, width, steps)
+
+    # ------------------------------------------------------------ joining
+
+    def _fill(self, row: Row) -> dict:
+        tic = time.perf_counter()
+        logits = next(row.filling)
+        row.stats.prompt_seconds += time.perf_counter() - tic
+        if logits is None:
+            return {}
+        row.filling = None
+        self.joining.remove(row)
+        token = choose(masked(logits, row.seq.allowed_next()), row.seq.params, row.seq.noise_at(0)).item()
+        row.token, row.produced = token, 1
+        step = row.seq.step([token], 0, logits[None])
+        if row.left > 0:
+            joined = BatchTargetCache([row.tcache])
+            if self.cache is None:
+                self.cache = joined
+            else:
+                self.cache.extend(joined)
+            row.tcache = None
+            self.rows.append(row)
+        return {row.uid: step}
+
+    # ------------------------------------------------------------ decoding
+
+    def _decode(self, steps: dict) -> int:
+        started = time.perf_counter()
+        model, rows = self.model, self.rows
+        plans = self._plan()
+        width = max(plan.width for plan in plans)
+        noises = [row.seq.noise(row.produced, plan.width) for row, plan in zip(rows, plans)]
+        blocks, proposals = [], []
+        for row, plan, noise in zip(rows, plans, noises):
+            last = mx.array([row.token], dtype=mx.int32)
+            if plan.source == "dflash":
+                proposal = draft(model, last, row.seq.context, plan.width, row.seq.params, noise)
+            else:
+                proposal = mx.array(plan.tokens, dtype=mx.int32)
+            proposals.append(proposal)
+            padding = mx.zeros((width - plan.width,), dtype=mx.int32)  # never accepted: past the row's proposal
+            blocks.append(mx.concatenate([last, proposal.astype(mx.int32), padding]))
+        if width > 1:
+            self.cache.checkpoint()
+        logits, features = model.target(mx.stack(blocks), self.cache, model.feature_layers)
+        choices = [choose(masked(logits[i, : plan.width], row.seq.masks(proposal.tolist()) if row.seq.constraint
+                                 else None), row.seq.params, noise)
+                   for i, (row, plan, proposal, noise) in enumerate(zip(rows, plans, proposals, noises))]
+        mx.eval(choices, proposals)
+        keeps = []
+        for i, (row, plan, proposal, choice) in enumerate(zip(rows, plans, proposals, choices)):
+            proposed, chosen = proposal.tolist(), choice.tolist()
+            n = 0
+            while n < len(proposed) and proposed[n] == chosen[n]:
+                n += 1
+            committed = proposed[:n] + [chosen[n]]
+            keeps.append(n + 1)
+            row.seq.context.add(None if features is None else features[i : i + 1, : n + 1])
+            self._learn(row, plan, n)
+            row.token, row.produced = committed[-1], row.produced + len(committed)
+            stats = row.stats
+            stats.accepted_lengths.append(len(committed))
+            stats.widths.append(plan.width)
+            stats.sources.append(plan.source)
+            step = row.seq.step(committed, n, logits[i, : n + 1])
+            steps[row.uid] = steps[row.uid].then(step) if row.uid in steps else step  # joined this step
+        if width > 1:
+            self.cache.rollback(keeps)
+        seconds = time.perf_counter() - started
+        for row in rows:
+            row.stats.decode_seconds += seconds
+        return width
+
+    def _plan(self) -> list[Plan]:
+        """Each row's plan for this step (the widest sets the batch's verify width)."""
+        rows, chooser = self.rows, self.model.chooser
+        fixed = [Plan(min(row.block, row.left), "dflash") if min(row.block, row.left) > 1 else PLAIN
+                 for row in rows]
+        if chooser is None or not any(row.adaptive for row in rows):
+            return fixed
+        matches = [row.seq.lookup.propose(min(chooser.max_width, row.left) - 1) if row.adaptive else None
+                   for row in rows]
+        least = max((plan.width for row, plan in zip(rows, fixed) if not row.adaptive), default=1)
+        best, best_value = None, 0.0
+        for width in range(least, chooser.max_width + 1):
+            plans = [self._row_plan(row, width, match) if row.adaptive else plan
+                     for row, plan, match in zip(rows, fixed, matches)]
+            value = self._expected(rows, plans) / self._seconds(rows, plans)
+            if best is None or value > best_value:
+                best, best_value = plans, value
+        return best
+
+    def _row_plan(self, row: Row, width: int, match) -> Plan:
+        """The row's likeliest-accepted proposal of at most `width` tokens verified."""
+        limit = min(width, row.left)
+        if limit < 2:
+            return PLAIN
+        candidates = [Plan(limit, "dflash")] if self.model.draft is not None else []
+        if match:
+            longest = min(len(match.tokens) + 1, limit)
+            candidates.append(Plan(longest, "lookup", match.tokens[: longest - 1], match.length))
+        return max(candidates, key=lambda plan: self._estimate(row, plan.kind).expected_committed()[plan.width],
+                   default=PLAIN)
+
+    def _expected(self, rows: list[Row], plans: list[Plan]) -> float:
+        return sum(1.0 if plan.width == 1 else self._estimate(row, plan.kind).expected_committed()[plan.width]
+                   for row, plan in zip(rows, plans))
+
+    def _seconds(self, rows: list[Row], plans: list[Plan]) -> float:
+        """One step's modelled time: a target pass over every row's block at the widest
+        plan's width, the drafter's passes, and the sampling distributions."""
+        cost = self.model.chooser.cost
+        width = max(plan.width for plan in plans)
+        seconds = cost.verify(len(rows) * width)
+        for row, plan in zip(rows, plans):
+            drafted = plan.source == "dflash"
+            if drafted:
+                seconds += cost.draft_seconds + cost.draft_per_token * (plan.width - 1)
+            seconds += (2 * plan.width - 1 if drafted else plan.width) * cost.row(row.seq.params)
+        return seconds
+
+    def _estimate(self, row: Row, kind: str) -> AcceptanceEstimate:
+        if kind not in row.estimates:
+            row.estimates[kind] = self.model.chooser.fresh_estimate(kind)
+        return row.estimates[kind]
+
+    def _learn(self, row: Row, plan: Plan, accepted: int) -> None:
+        if not row.adaptive:
+            return
+        for estimate in row.estimates.values():
+            estimate.age()
+        if plan.width > 1:
+            self._estimate(row, plan.kind).observe(plan.width, accepted)
+            self.model.chooser.learn(plan.kind, plan.width, accepted)

@@ -1,0 +1,207 @@
+"""Batched DFlash decoding: every request's output equals what it gets alone, on every family."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import engine
+from dflash_mlx.adaptive import CostModel, WidthChooser
+from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
+from dflash_mlx.batch import BatchDecoder
+from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.target import BatchTargetCache
+from test_engine import MODEL_TYPES, PROMPTS, plain_greedy
+from tiny_models import random_dflash2, random_draft, rows_oracle_draft, tiny_target
+
+BATCH_FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"]
+
+
+def run(decoder: BatchDecoder, until_done=True) -> dict:
+    out = {}
+    while decoder.busy:
+        for uid, step in decoder.step().steps.items():
+            out.setdefault(uid, []).extend(step.tokens)
+        if not until_done:
+            break
+    return out
+
+
+def oracle_for(target, prompts, max_tokens, seed=0):
+    """A drafter proposing each prompt's greedy continuation, wrong at different places per
+    prompt (so the rows of a batch keep different lengths in most steps)."""
+    rng = random.Random(seed)
+    references = [p + plain_greedy(target, p, max_tokens + 16) for p in prompts]
+    wrong = [{rng.randrange(len(p), len(p) + max_tokens) for _ in range(6 + 3 * i)} for i, p in enumerate(prompts)]
+    return rows_oracle_draft(target, references, wrong, block_size=6), references
+
+
+@pytest.mark.parametrize("model_type", BATCH_FAMILIES)
+def test_each_row_rolls_back_to_its_own_prefix(model_type):
+    """After a batched verify of 6 tokens with a different keep per row, each row's cache is the
+    cache of its prompt + its kept tokens alone (logits of a probe token compared)."""
+    target = tiny_target(model_type, seed=2)
+    block = mx.array([[9, 8, 7, 6, 5, 4], [3, 4, 5, 6, 7, 8], [10, 11, 12, 13, 14, 15]])
+    for keeps in ([1, 4, 6], [6, 6, 1], [3, 3, 3], [2, 5, 1]):
+        rows = []
+        for prompt in PROMPTS:
+            cache = target.make_cache(batchable=True)
+            target(mx.array([prompt]), cache)
+            rows.append(cache)
+        batch = BatchTargetCache(rows)
+        batch.checkpoint()
+        target(block, batch)
+        batch.rollback(keeps)
+        assert batch.offsets == [len(p) + k for p, k in zip(PROMPTS, keeps)]
+        got, _ = target(mx.array([[11], [12], [13]]), batch)
+        for i, (prompt, keep) in enumerate(zip(PROMPTS, keeps)):
+            alone = target.make_cache()
+            target(mx.array([prompt + block[i, :keep].tolist()]), alone)
+            want, _ = target(mx.array([[11 + i]]), alone)
+            assert mx.allclose(got[i], want[0], atol=1e-4, rtol=1e-4), (keeps, i)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_batched_greedy_is_lossless(model_type):
+    target = tiny_target(model_type, seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 40)
+    for draft in (oracle, random_draft(target, block_size=5), random_dflash2(target, block_size=4)):
+        decoder = BatchDecoder(DFlashModel(target, draft))
+        uids = [decoder.add(mx.array(p), SamplingParams(), 40) for p in PROMPTS]
+        out = run(decoder)
+        for uid, prompt, reference in zip(uids, PROMPTS, references):
+            assert out[uid] == reference[len(prompt): len(prompt) + 40], (model_type, type(draft).__name__)
+
+
+def test_rows_keep_different_lengths_in_one_step():
+    """The oracle's misses differ per row: most steps keep different lengths per row (what the
+    per-row rollback is for), and long runs are accepted."""
+    target = tiny_target("llama", seed=2)
+    oracle, _ = oracle_for(target, PROMPTS, 40)
+    decoder = BatchDecoder(DFlashModel(target, oracle))
+    stats = [DecodeStats() for _ in PROMPTS]
+    for prompt, s in zip(PROMPTS, stats):
+        decoder.add(mx.array(prompt), SamplingParams(), 40, stats=s)
+    mixed = 0
+    while decoder.busy:
+        step = decoder.step()
+        mixed += len({len(s.tokens) for s in step.steps.values()}) > 1
+    assert mixed >= 3 and all(s.tau > 2 for s in stats)
+
+
+def test_rows_join_and_leave_mid_decode(monkeypatch):
+    """Prompts prefilled in chunks while others decode; rows leave at max_tokens 1 / 7, one is
+    cancelled, one joins late; every output stays exact and the padding goes with the rows."""
+    monkeypatch.setattr(engine, "PREFILL_STEP", 4)
+    target = tiny_target("qwen3_5", seed=2)
+    prompts = PROMPTS + [list(range(70, 83))]
+    oracle, references = oracle_for(target, prompts, 40)
+    decoder = BatchDecoder(DFlashModel(target, oracle))
+    limits = [1, 7, 40]
+    uids = [decoder.add(mx.array(p), SamplingParams(), n) for p, n in zip(PROMPTS, limits)]
+    out, late, cancel, cancelled_at, sizes = {}, None, None, None, []
+    for steps in range(1000):
+        if not decoder.busy:
+            break
+        step = decoder.step()
+        sizes.append(step.size)
+        for uid, s in step.steps.items():
+            out.setdefault(uid, []).extend(s.tokens)
+        if steps == 6:
+            late = decoder.add(mx.array(prompts[3]), SamplingParams(), 30)
+            cancel = decoder.add(mx.array(PROMPTS[0]), SamplingParams(), 40)
+        if cancelled_at is None and len(out.get(cancel, [])) >= 5:
+            decoder.remove(cancel)
+            cancelled_at = len(out[cancel])
+    for uid, prompt, reference, limit in zip(uids, PROMPTS, references, limits):
+        assert out[uid] == reference[len(prompt): len(prompt) + limit]
+    assert out[late] == references[3][len(prompts[3]): len(prompts[3]) + 30]
+    assert out[cancel] == references[0][len(PROMPTS[0]): len(PROMPTS[0]) + cancelled_at]
+    assert max(sizes) >= 3
+    assert not decoder.busy and decoder.cache is None
+
+
+def test_padding_is_dropped_when_rows_leave():
+    target = tiny_target("llama", seed=2)
+    decoder = BatchDecoder(DFlashModel(target, random_draft(target, block_size=4)))
+    short = decoder.add(mx.array(PROMPTS[1]), SamplingParams(), 30)
+    long = decoder.add(mx.array(PROMPTS[2]), SamplingParams(), 6)
+    sizes = []
+    while any(row.uid == long for row in decoder.rows + decoder.joining):
+        sizes.append(decoder.step().size)
+    assert max(sizes) == 2 and [row.uid for row in decoder.rows] == [short]
+    layer = decoder.cache.layers[0]
+    assert layer.left_padding.tolist() == [0] and layer._idx == decoder.cache.offsets[0]
+
+
+def test_sliding_window_smaller_than_the_context():
+    target = tiny_target("llama", seed=3, layer_types=["sliding_attention", "full_attention"] * 2,
+                         sliding_window=6)
+    oracle, references = oracle_for(target, PROMPTS, 40, seed=1)
+    decoder = BatchDecoder(DFlashModel(target, oracle))
+    uids = [decoder.add(mx.array(p), SamplingParams(), 40) for p in PROMPTS]
+    out = run(decoder)
+    for uid, prompt, reference in zip(uids, PROMPTS, references):
+        assert out[uid] == reference[len(prompt): len(prompt) + 40]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
+def test_seeded_sampling_equals_the_same_seed_alone(model_type):
+    target = tiny_target(model_type, seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
+    alone = [[t for s in decode(model, mx.array(p), sp, 30, seed=7 + i) for t in s.tokens]
+             for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    decoder = BatchDecoder(model)
+    uids = [decoder.add(mx.array(p), sp, 30, seed=7 + i) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    out = run(decoder)
+    assert [out[u] for u in uids] == alone
+
+
+def cost_model(per_token: float) -> CostModel:
+    """A target pass of L tokens costs 1 + per_token * (L - 1) units: 0 is a flat curve (a GPU),
+    1 a compute-bound one."""
+    widths = [1, 2, 4, 8, 16]
+    return CostModel(widths, [1.0 + per_token * (w - 1) for w in widths], draft_seconds=0.05)
+
+
+@pytest.mark.parametrize("per_token, drafts", [(0.0, True), (1.0, False)])
+def test_the_batch_width_follows_the_cost_curve(per_token, drafts):
+    """With a flat cost curve the batch drafts; when every verified token costs a full pass,
+    it decodes plain; the output is exact either way."""
+    target = tiny_target("llama", seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 30)
+    model = DFlashModel(target, oracle, chooser=WidthChooser(cost_model(per_token), max_width=6, prior=0.8))
+    decoder = BatchDecoder(model)
+    uids = [decoder.add(mx.array(p), SamplingParams(), 30) for p in PROMPTS]
+    widths = []
+    out = {}
+    while decoder.busy:
+        step = decoder.step()
+        widths.append(step.width)
+        for uid, s in step.steps.items():
+            out.setdefault(uid, []).extend(s.tokens)
+    assert (max(widths) > 1) == drafts
+    for uid, prompt, reference in zip(uids, PROMPTS, references):
+        assert out[uid] == reference[len(prompt): len(prompt) + 30]
+
+
+def test_batch_generate_equals_generate_alone(tiny_dirs):
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
+    prompts = ["the cat sat", "one two three four", "hello"]
+    result = batch_generate(model, tokenizer, prompts, max_tokens=12, max_batch=2)
+    assert result.texts == [generate(model, tokenizer, p, max_tokens=12) for p in prompts]
+    assert all(r.finish_reason in ("length", "stop") for r in result.responses)
+
+    gen = BatchGenerator(model, tokenizer)
+    uid = gen.insert("the cat sat", max_tokens=8, stop=["zzz"], logprobs=2, seed=3, temp=0.7)
+    streamed = []
+    while gen.busy:
+        streamed += [r for u, r in gen.next() if u == uid]
+    alone = list(stream_generate(model, tokenizer, "the cat sat", 8, stop=["zzz"], logprobs=2, seed=3, temp=0.7))
+    assert "".join(r.text for r in streamed) == "".join(r.text for r in alone)
+    assert [lp.token for r in streamed for lp in r.logprobs] == [lp.token for r in alone for lp in r.logprobs]
+    with pytest.raises(ValueError, match="max_tokens"):
+        gen.insert("hi", max_tokens=0)
