@@ -138,6 +138,8 @@ def main():
     (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), args.max_batch)
     rows = []
     try:
+        for port, name in ((theirs_port, "default_model"), (ours_port, "SmolLM2-135M-Instruct")):
+            drive(port, name, prompts, 1, 1, 8, False, False)  # warm-up: first-request costs are not measured
         for max_tokens in lengths:
             for mode in modes:
                 sampled = mode == "sampled"

@@ -4,7 +4,15 @@ from .io import blas
 
 blas.load_openblas()  # must run before anything imports mlx.core
 
-from .api import GenerationResponse, format_prompt, generate, load, stream_generate  # noqa: E402
+from .api import (  # noqa: E402
+    BatchGenerator,
+    GenerationResponse,
+    batch_generate,
+    format_prompt,
+    generate,
+    load,
+    stream_generate,
+)
 from .drafters import DFlashDraftModel, DraftArgs, load_draft  # noqa: E402
 from .engine import DecodeStats, DFlashModel  # noqa: E402
 from .grammar import Grammar  # noqa: E402
@@ -14,6 +22,8 @@ __all__ = [
     "load",
     "generate",
     "stream_generate",
+    "batch_generate",
+    "BatchGenerator",
     "format_prompt",
     "GenerationResponse",
     "Grammar",

@@ -330,11 +330,12 @@ def test_concurrent_requests_are_batched_and_each_is_exact(served):
                 for p, s in jobs]
     before = sum(n for (size, _), n in server.metrics.batch_steps.items() if size > 1)
     got = [None] * len(jobs)
+    patient = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=5)  # 429: retry
 
     def user(i):
         prompt, seed = jobs[i]
         extra = {} if seed is None else {"temperature": 0.8, "seed": seed}
-        got[i] = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **extra).choices[0].text
+        got[i] = patient.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **extra).choices[0].text
 
     threads = [threading.Thread(target=user, args=(i,)) for i in range(len(jobs))]
     for t in threads:
