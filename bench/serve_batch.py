@@ -167,12 +167,12 @@ def main():
                           f"tok/s (p50 {row['theirs_p50']:.1f} s, p95 {row['theirs_p95']:.1f} s) | ours "
                           f"{row['ours_tok_s']:6.1f} tok/s (p50 {row['ours_p50']:.1f} s, p95 {row['ours_p95']:.1f} s) "
                           f"| {row['ratio']:.2f}x | ours lost {lost}, not equal to generate() {wrong}", flush=True)
+                    if args.out:  # after every level: a stopped run keeps what it measured
+                        save(rows, Path(args.out), args)
     finally:
         for process in (ours, theirs):
             process.terminate()
             process.wait(timeout=60)
-    if args.out:
-        save(rows, Path(args.out), args)
 
 
 def save(rows: list[dict], out: Path, args) -> None:
