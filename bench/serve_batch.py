@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median, quantiles
 
@@ -101,11 +102,8 @@ def drive(port: int, model: str, prompts: list[str], clients: int, requests: int
         local.close()
 
     tic = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
     seconds = time.perf_counter() - tic
     p95 = quantiles(latencies, n=20)[-1] if len(latencies) >= 2 else max(latencies, default=0)
     return {"tok_s": tokens[0] / seconds, "p50": median(latencies) if latencies else 0, "p95": p95,
