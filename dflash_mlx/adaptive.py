@@ -96,12 +96,16 @@ class CostModel:
         return self.filtered_row if params.top_p < 1.0 or params.top_k > 0 else self.sample_row
 
     def cycle(self, L: int, params: Optional[SamplingParams] = None, drafted: bool = True) -> float:
-        """One cycle of width L: verify, a distribution per verified position, and, when the
-        drafter proposed (`drafted`), its pass and a distribution per drafted position."""
+        """One cycle of width L: verify, and what comes with it (`beside_verify`)."""
+        return self.verify(L) + self.beside_verify(L, params, drafted)
+
+    def beside_verify(self, L: int, params: Optional[SamplingParams] = None, drafted: bool = True) -> float:
+        """What a cycle of width L costs besides the target pass: a distribution per verified
+        position and, when the drafter proposed (`drafted`), its pass and a distribution per
+        drafted position."""
         if L == 1 or not drafted:
-            return self.verify(L) + L * self.row(params)
-        drafting = self.draft_seconds + self.draft_per_token * (L - 1)
-        return self.verify(L) + drafting + (2 * L - 1) * self.row(params)
+            return L * self.row(params)
+        return self.draft_seconds + self.draft_per_token * (L - 1) + (2 * L - 1) * self.row(params)
 
 
 @dataclass

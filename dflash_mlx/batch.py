@@ -28,7 +28,7 @@ from .adaptive import PLAIN, AcceptanceEstimate, Plan
 from .engine import DecodeStats, DFlashModel, Sequence, draft, prefill_steps
 from .grammar import Grammar, masked
 from .prompt_cache import PromptCache
-from .sampling import SamplingParams, choose
+from .sampling import SamplingParams, accept, choose
 from .target import BatchTargetCache, TargetCache
 
 
@@ -94,10 +94,10 @@ class BatchDecoder:
         self.joining.append(row)
         return uid
 
-    def remove(self, uid: int) -> None:
-        """Drop a request (finished, stopped or cancelled); its row is freed before the next step."""
-        self.joining = [row for row in self.joining if row.uid != uid]
-        kept = [i for i, row in enumerate(self.rows) if row.uid != uid]
+    def remove(self, *uids: int) -> None:
+        """Drop requests (finished, stopped or cancelled); their rows are freed before the next step."""
+        self.joining = [row for row in self.joining if row.uid not in uids]
+        kept = [i for i, row in enumerate(self.rows) if row.uid not in uids]
         if len(kept) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in kept]
@@ -111,15 +111,11 @@ class BatchDecoder:
         step of the batch.  Rows that reach their max_tokens leave by themselves."""
         steps = {}
         if self.joining and len(self.rows) < self.max_batch:
-            row = self.joining[0]
-            if row.filling is not None:
-                steps.update(self._fill(row))
+            steps.update(self._fill(self.joining[0]))
         size, width = len(self.rows), 0
         if self.rows:
             width = self._decode(steps)
-        for row in list(self.rows):
-            if row.left <= 0:
-                self.remove(row.uid)
+        self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
         return BatchStep(size, width, steps)
 
     # ------------------------------------------------------------ joining
@@ -166,17 +162,14 @@ class BatchDecoder:
         if width > 1:
             self.cache.checkpoint()
         logits, features = model.target(mx.stack(blocks), self.cache, model.feature_layers)
-        choices = [choose(masked(logits[i, : plan.width], row.seq.masks(proposal.tolist()) if row.seq.constraint
-                                 else None), row.seq.params, noise)
-                   for i, (row, plan, proposal, noise) in enumerate(zip(rows, plans, proposals, noises))]
-        mx.eval(choices, proposals)
+        accepted = [accept(proposal, choose(masked(logits[i, : plan.width], row.seq.masks(proposal.tolist())
+                                                  if row.seq.constraint else None), row.seq.params, noise))
+                    for i, (row, plan, proposal, noise) in enumerate(zip(rows, plans, proposals, noises))]
+        mx.eval(accepted, proposals)
         keeps = []
-        for i, (row, plan, proposal, choice) in enumerate(zip(rows, plans, proposals, choices)):
-            proposed, chosen = proposal.tolist(), choice.tolist()
-            n = 0
-            while n < len(proposed) and proposed[n] == chosen[n]:
-                n += 1
-            committed = proposed[:n] + [chosen[n]]
+        for i, (row, plan, proposal, (n, next_token)) in enumerate(zip(rows, plans, proposals, accepted)):
+            n = n.item()
+            committed = proposal[:n].tolist() + [next_token.item()]
             keeps.append(n + 1)
             row.seq.context.add(None if features is None else features[i : i + 1, : n + 1])
             self._learn(row, plan, n)
@@ -203,17 +196,26 @@ class BatchDecoder:
             return fixed
         matches = [row.seq.lookup.propose(min(chooser.max_width, row.left) - 1) if row.adaptive else None
                    for row in rows]
+        sums = {}  # (row, kind) -> E[committed | width] for every width: summed once per step
+
+        def expected(row: Row, plan: Plan) -> float:
+            if plan.width == 1:
+                return 1.0
+            if (row.uid, plan.kind) not in sums:
+                sums[row.uid, plan.kind] = self._estimate(row, plan.kind).expected_committed()
+            return sums[row.uid, plan.kind][plan.width]
+
         least = max((plan.width for row, plan in zip(rows, fixed) if not row.adaptive), default=1)
         best, best_value = None, 0.0
         for width in range(least, chooser.max_width + 1):
-            plans = [self._row_plan(row, width, match) if row.adaptive else plan
+            plans = [self._row_plan(row, width, match, expected) if row.adaptive else plan
                      for row, plan, match in zip(rows, fixed, matches)]
-            value = self._expected(rows, plans) / self._seconds(rows, plans)
+            value = sum(map(expected, rows, plans)) / self._seconds(rows, plans)
             if best is None or value > best_value:
                 best, best_value = plans, value
         return best
 
-    def _row_plan(self, row: Row, width: int, match) -> Plan:
+    def _row_plan(self, row: Row, width: int, match, expected) -> Plan:
         """The row's likeliest-accepted proposal of at most `width` tokens verified."""
         limit = min(width, row.left)
         if limit < 2:
@@ -222,25 +224,16 @@ class BatchDecoder:
         if match:
             longest = min(len(match.tokens) + 1, limit)
             candidates.append(Plan(longest, "lookup", match.tokens[: longest - 1], match.length))
-        return max(candidates, key=lambda plan: self._estimate(row, plan.kind).expected_committed()[plan.width],
-                   default=PLAIN)
-
-    def _expected(self, rows: list[Row], plans: list[Plan]) -> float:
-        return sum(1.0 if plan.width == 1 else self._estimate(row, plan.kind).expected_committed()[plan.width]
-                   for row, plan in zip(rows, plans))
+        return max(candidates, key=lambda plan: expected(row, plan), default=PLAIN)
 
     def _seconds(self, rows: list[Row], plans: list[Plan]) -> float:
         """One step's modelled time: a target pass over every row's block at the widest
-        plan's width, the drafter's passes, and the sampling distributions."""
+        plan's width, and each row's drafter pass and sampling distributions."""
         cost = self.model.chooser.cost
         width = max(plan.width for plan in plans)
-        seconds = cost.verify(len(rows) * width)
-        for row, plan in zip(rows, plans):
-            drafted = plan.source == "dflash"
-            if drafted:
-                seconds += cost.draft_seconds + cost.draft_per_token * (plan.width - 1)
-            seconds += (2 * plan.width - 1 if drafted else plan.width) * cost.row(row.seq.params)
-        return seconds
+        return cost.verify(len(rows) * width) + sum(
+            cost.beside_verify(plan.width, row.seq.params, drafted=plan.source == "dflash")
+            for row, plan in zip(rows, plans))
 
     def _estimate(self, row: Row, kind: str) -> AcceptanceEstimate:
         if kind not in row.estimates:

@@ -178,7 +178,7 @@ def serve(
 ):
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
     try:
-        from .serve import batch_refusal, make_app, run
+        from .serve import make_app, run
     except ImportError as e:
         fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
     if quant not in (None, 4, 8):
@@ -203,10 +203,10 @@ def serve(
                         "snapshotted yet)", err=True, fg=typer.colors.YELLOW)
             prompt_cache_bytes = 0
     name = model or "SmolLM2-135M-Instruct"
-    refusal = batch_refusal(pair) if max_batch > 1 else None
-    if refusal:
-        typer.secho(f"note: requests are decoded one at a time ({refusal})", err=True, fg=typer.colors.YELLOW)
     server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes, max_batch)
+    if server.batch_refusal:
+        typer.secho(f"note: requests are decoded one at a time ({server.batch_refusal})", err=True,
+                    fg=typer.colors.YELLOW)
     typer.secho(f"serving {name} on http://{host}:{port}/v1 (drafter: "
                 f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}); Ctrl-C stops",
                 err=True)

@@ -114,7 +114,7 @@ def choose(logits: mx.array, params: SamplingParams, noise: Optional[mx.array]) 
 
 
 def accept(draft: mx.array, target_choice: mx.array) -> tuple[mx.array, mx.array]:
-    """How many of the k >= 1 draft tokens the target keeps, and the token after them.
+    """How many of the k >= 0 draft tokens the target keeps, and the token after them.
 
     `target_choice` (k+1,) are the target's own tokens at [last token] + draft
     (`choose` with the same noise the drafter used).  Returns device scalars

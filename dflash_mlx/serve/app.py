@@ -38,9 +38,10 @@ class Server:
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
-        self.max_batch = max_batch
-        if max_batch > 1:
-            self.worker = BatchWorker(model, tokenizer, max_queue, self.metrics.finished, max_batch,
+        self.batch_refusal = batch_refusal(model) if max_batch > 1 else None  # why one at a time, if so
+        self.max_batch = 1 if self.batch_refusal else max_batch
+        if self.max_batch > 1:
+            self.worker = BatchWorker(model, tokenizer, max_queue, self.metrics.finished, self.max_batch,
                                       self.prompt_cache, self.metrics.batch_step)
         else:
             self.worker = Worker(model, tokenizer, max_queue, on_finish=self.metrics.finished)
@@ -153,11 +154,9 @@ class Server:
 def make_app(model, tokenizer, model_id: str, max_queue: int = 16, prompt_cache_bytes: int = 1 << 30,
              max_batch: int = 8) -> Server:
     """The server; with max_batch > 1, requests are decoded in batches when the target allows
-    (`batch_refusal()` says why not; the caller tells the user)."""
+    (else `Server.batch_refusal` says why not; the caller tells the user)."""
     from ..api import _context_limit
 
-    if max_batch > 1 and batch_refusal(model):
-        max_batch = 1
     return Server(model, tokenizer, model_id, max_queue, _context_limit(model.target), prompt_cache_bytes, max_batch)
 
 
@@ -192,4 +191,4 @@ def serve_in_background(server: Server, host: str = "127.0.0.1"):
     return http, port
 
 
-__all__: list[Any] = ["Server", "batch_refusal", "make_app", "run", "serve_in_background"]
+__all__: list[Any] = ["Server", "make_app", "run", "serve_in_background"]

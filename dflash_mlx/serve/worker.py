@@ -33,10 +33,11 @@ class QueueFull(Exception):
 class _Engine:
     """The queue and thread every worker has; `_run` is what the thread does."""
 
+    running = 0  # jobs being decoded
+
     def __init__(self, model, tokenizer, max_queue: int = 16, on_finish=None):
         self.model, self.tokenizer = model, tokenizer
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
-        self.running = 0  # jobs being decoded
         self._stopping = False
         self.on_finish = on_finish  # called with the last GenerationResponse of each finished job
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
@@ -116,6 +117,10 @@ class BatchWorker(_Engine):
         self.batch = BatchGenerator(model, tokenizer, max_batch, prompt_cache)
         super().__init__(model, tokenizer, max_queue, on_finish)
 
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
     def _run(self) -> None:
         while not self._stopping:
             if not self._admit():
@@ -137,7 +142,6 @@ class BatchWorker(_Engine):
                 if response.finish_reason:
                     del self.active[uid]
                     self._finished(job, response, cancelled=False)
-            self.running = len(self.active)
 
     def _admit(self) -> bool:
         """Take waiting jobs while there is room (blocking when idle); False when stopping."""
@@ -158,7 +162,6 @@ class BatchWorker(_Engine):
                 job.events.put(DONE)
                 continue
             self.active[uid] = (job, None)
-            self.running = len(self.active)
         return True
 
     def _drop_cancelled(self) -> None:
@@ -167,7 +170,6 @@ class BatchWorker(_Engine):
                 self.batch.remove(uid)
                 del self.active[uid]
                 self._finished(job, last, cancelled=True)
-        self.running = len(self.active)
 
     def _fail_all(self, error: Exception) -> None:
         for uid, (job, _) in self.active.items():
@@ -175,4 +177,3 @@ class BatchWorker(_Engine):
             job.events.put(error)
             job.events.put(DONE)
         self.active = {}
-        self.running = 0
