@@ -30,6 +30,7 @@ verified and drafted position also costs a sampling distribution, measured too.
 """
 
 import json
+import math
 import platform
 import time
 from dataclasses import dataclass, field
@@ -277,6 +278,53 @@ class WidthChooser:
         for source in self._time_ratio:
             if source not in (plan.source, "plain"):
                 self._time_ratio[source] += self.time_aging * (self._time_ratio["plain"] - self._time_ratio[source])
+
+
+class StepTimes:
+    """How much longer a batch step really takes than the cost curve says, per shape (rows, width).
+
+    The curve times one row at a short context and is extrapolated past its widest probe; a
+    batch step attends over B contexts of any length and verifies B x w tokens (measured here:
+    8 rows x 9 tokens took 2.5x the extrapolated curve, 8 rows x 1 token 1.3x).  Each step's wall
+    time teaches the ratio of its shape.  A shape not run yet takes the ratio of a run one of as
+    many tokens (rows x width), else is interpolated in log tokens between the run shapes around
+    it, else takes the nearest one's.  A plain step (width 1) is judged only by plain steps run,
+    and trusts the curve (ratio 1) until one has: otherwise dear verify steps would keep the
+    batch from ever trying the plain step that costs less."""
+
+    def __init__(self, weight: float = 0.3, stall: float = 4.0):
+        self.weight, self.stall = weight, stall
+        self.ratios: dict[tuple[int, int], float] = {}
+
+    def ratio(self, rows: int, width: int) -> float:
+        if (rows, width) in self.ratios:
+            return self.ratios[rows, width]
+        tokens = rows * width
+        run = [(r * w, -abs(r - rows), self.ratios[r, w]) for r, w in self.ratios if width > 1 or w == 1]
+        if not run:
+            return 1.0
+        same = [shape for shape in run if shape[0] == tokens]
+        if same:
+            return max(same)[2]  # the one closest in rows
+        below = max((shape for shape in run if shape[0] < tokens), default=None)
+        above = min((shape for shape in run if shape[0] > tokens), key=lambda shape: (shape[0], -shape[1]),
+                    default=None)
+        if below is None or above is None:
+            return (below or above)[2]
+        t = math.log(tokens / below[0]) / math.log(above[0] / below[0])
+        return below[2] + t * (above[2] - below[2])
+
+    def seconds(self, rows: int, width: int, modelled: float) -> float:
+        return modelled * self.ratio(rows, width)
+
+    def observe(self, rows: int, width: int, modelled: float, seconds: float) -> None:
+        measured = seconds / modelled
+        if (rows, width) not in self.ratios:
+            self.ratios[rows, width] = measured
+            return
+        before = self.ratios[rows, width]
+        measured = min(measured, self.stall * before)  # one stalled step (GC, swapping) is not a trend
+        self.ratios[rows, width] = before + self.weight * (measured - before)
 
 
 # ---------------------------------------------------------------- measuring the cost curve

@@ -402,15 +402,17 @@ class BatchGenerator:
             for uid, response in gen.next():   # one batch step
                 ...
 
-    A request that finishes leaves the batch by itself; `remove(uid)` drops one early."""
+    A request that finishes leaves the batch by itself; `remove(uid)` drops one early.
+    `max_batch_tokens` bounds the batch's caches (rows x the longest row's prompt + max_tokens)."""
 
     def __init__(self, model: DFlashModel, tokenizer: TokenizerWrapper, max_batch: int = 8,
-                 prompt_cache: Optional[PromptCache] = None):
-        if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
-            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+                 prompt_cache: Optional[PromptCache] = None, max_batch_tokens: Optional[int] = None):
+        for name, value in (("max_batch", max_batch), ("max_batch_tokens", max_batch_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.model = model
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
-        self.decoder = BatchDecoder(model, prompt_cache, max_batch)
+        self.decoder = BatchDecoder(model, prompt_cache, max_batch, max_batch_tokens)
         self.responses: dict[int, _Responses] = {}
         self.last_step: Optional[BatchStep] = None
 
@@ -450,10 +452,11 @@ class BatchResponse:
 
 
 def batch_generate(model: DFlashModel, tokenizer: TokenizerWrapper, prompts: Sequence, max_tokens: int = 256,
-                   max_batch: int = 8, verbose: bool = False, **options) -> BatchResponse:
+                   max_batch: int = 8, verbose: bool = False, max_batch_tokens: Optional[int] = None,
+                   **options) -> BatchResponse:
     """Every prompt's generated text, decoded in batches of up to `max_batch` (in the style of
     mlx-lm's batch_generate); options as stream_generate's, for every prompt."""
-    gen = BatchGenerator(model, tokenizer, max_batch)
+    gen = BatchGenerator(model, tokenizer, max_batch, max_batch_tokens=max_batch_tokens)
     uids = [gen.insert(prompt, max_tokens, **options) for prompt in prompts]
     texts, last = {uid: "" for uid in uids}, {}
     with progress(enabled=verbose) as bar:

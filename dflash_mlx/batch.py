@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
-from .adaptive import PLAIN, AcceptanceEstimate, Plan
+from .adaptive import PLAIN, AcceptanceEstimate, Plan, StepTimes
 from .engine import DecodeStats, DFlashModel, Sequence, draft, prefill_steps
 from .grammar import Grammar, masked
 from .prompt_cache import PromptCache
@@ -43,6 +43,7 @@ class Row:
     adaptive: bool  # its width follows the batch's plan (no block size asked for)
     tcache: Optional[TargetCache]  # its own cache, until it joins the batch
     filling: Optional[Iterator]  # its prefill, one chunk per step
+    most_tokens: int  # prompt + max_tokens: the longest it can grow
     token: int = -1  # the last committed token
     produced: int = 0
     estimates: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate
@@ -66,11 +67,19 @@ class BatchStep:
 
 
 class BatchDecoder:
-    def __init__(self, model: DFlashModel, prompt_cache: Optional[PromptCache] = None, max_batch: int = 8):
-        self.model, self.prompt_cache, self.max_batch = model, prompt_cache, max_batch
+    """Up to `max_batch` requests decoded together.  With `max_batch_tokens`, a request joins
+    only while the batch's caches stay within that many tokens (rows x the longest row, padding
+    included, at its longest: mlx-lm's batch caches hold every row at the longest one's length);
+    a request too long for the bound runs alone once the batch is empty."""
+
+    def __init__(self, model: DFlashModel, prompt_cache: Optional[PromptCache] = None, max_batch: int = 8,
+                 max_batch_tokens: Optional[int] = None):
+        self.model, self.prompt_cache = model, prompt_cache
+        self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.rows: list[Row] = []  # decoding, in the batch cache's row order
         self.joining: list[Row] = []  # waiting for (or in) their prefill
         self.cache: Optional[BatchTargetCache] = None
+        self.step_times = StepTimes()
         self._next_uid = 0
 
     @property
@@ -90,7 +99,7 @@ class BatchDecoder:
         tcache = model.target.make_cache(batchable=True)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         row = Row(uid, seq, max_tokens, block, adaptive, tcache,
-                  prefill_steps(model, prompt, tcache, seq.context, self.prompt_cache, stats))
+                  prefill_steps(model, prompt, tcache, seq.context, self.prompt_cache, stats), prompt.size + max_tokens)
         self.joining.append(row)
         return uid
 
@@ -110,7 +119,7 @@ class BatchDecoder:
         """One prefill chunk of the first joining request (when there is room), then one decode
         step of the batch.  Rows that reach their max_tokens leave by themselves."""
         steps = {}
-        if self.joining and len(self.rows) < self.max_batch:
+        if self.joining and self._room_for(self.joining[0]):
             steps.update(self._fill(self.joining[0]))
         size, width = len(self.rows), 0
         if self.rows:
@@ -119,6 +128,14 @@ class BatchDecoder:
         return BatchStep(size, width, steps)
 
     # ------------------------------------------------------------ joining
+
+    def _room_for(self, row: Row) -> bool:
+        """Whether the first joining request may prefill its next chunk (first come, first
+        served: a long request waits for room instead of being overtaken for ever)."""
+        if not self.rows or self.max_batch_tokens is None:
+            return len(self.rows) < self.max_batch
+        longest = max(self.cache.width + max(r.left for r in self.rows), row.most_tokens)
+        return len(self.rows) < self.max_batch and (len(self.rows) + 1) * longest <= self.max_batch_tokens
 
     def _fill(self, row: Row) -> dict:
         tic = time.perf_counter()
@@ -147,6 +164,7 @@ class BatchDecoder:
         started = time.perf_counter()
         model, rows = self.model, self.rows
         plans = self._plan()
+        modelled = self._seconds(rows, plans) if model.chooser is not None else None
         width = max(plan.width for plan in plans)
         noises = [row.seq.noise(row.produced, plan.width) for row, plan in zip(rows, plans)]
         blocks, proposals = [], []
@@ -183,6 +201,8 @@ class BatchDecoder:
         if width > 1:
             self.cache.rollback(keeps)
         seconds = time.perf_counter() - started
+        if modelled is not None:
+            self.step_times.observe(len(rows), width, modelled, seconds)
         for row in rows:
             row.stats.decode_seconds += seconds
         return width
@@ -210,7 +230,8 @@ class BatchDecoder:
         for width in range(least, chooser.max_width + 1):
             plans = [self._row_plan(row, width, match, expected) if row.adaptive else plan
                      for row, plan, match in zip(rows, fixed, matches)]
-            value = sum(map(expected, rows, plans)) / self._seconds(rows, plans)
+            seconds = self.step_times.seconds(len(rows), max(plan.width for plan in plans), self._seconds(rows, plans))
+            value = sum(map(expected, rows, plans)) / seconds
             if best is None or value > best_value:
                 best, best_value = plans, value
         return best
@@ -227,8 +248,9 @@ class BatchDecoder:
         return max(candidates, key=lambda plan: expected(row, plan), default=PLAIN)
 
     def _seconds(self, rows: list[Row], plans: list[Plan]) -> float:
-        """One step's modelled time: a target pass over every row's block at the widest
-        plan's width, and each row's drafter pass and sampling distributions."""
+        """One step's time by the cost curve: a target pass over every row's block at the widest
+        plan's width, and each row's drafter pass and sampling distributions.  The plan scales it
+        by what steps of that shape really took (StepTimes)."""
         cost = self.model.chooser.cost
         width = max(plan.width for plan in plans)
         return cost.verify(len(rows) * width) + sum(

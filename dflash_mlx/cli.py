@@ -171,6 +171,9 @@ def serve(
     port: int = typer.Option(8080, "--port"),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait; more get 429."),
     max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded together (1: one at a time)."),
+    max_batch_tokens: Optional[int] = typer.Option(
+        None, "--max-batch-tokens", help="Tokens a batch's caches may hold, rows x the longest row (default 32768); "
+                                         "a longer request runs alone."),
     prompt_cache_bytes: int = typer.Option(1 << 30, "--prompt-cache-bytes", help="Memory for reusable prompt prefixes (0: off)."),
     distributed: Optional[str] = DISTRIBUTED,
     split: Optional[str] = SPLIT,
@@ -183,8 +186,8 @@ def serve(
         fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
     if quant not in (None, 4, 8):
         fail(f"--quant must be 4 or 8, got {quant}")
-    if max_queue < 1 or max_batch < 1 or not 0 < port < 65536:
-        fail("--max-queue and --max-batch must be >= 1 and --port in 1..65535")
+    if max_queue < 1 or max_batch < 1 or (max_batch_tokens is not None and max_batch_tokens < 1) or not 0 < port < 65536:
+        fail("--max-queue, --max-batch and --max-batch-tokens must be >= 1 and --port in 1..65535")
     from .api import load
 
     if prompt_cache_bytes < 0:
@@ -203,7 +206,7 @@ def serve(
                         "snapshotted yet)", err=True, fg=typer.colors.YELLOW)
             prompt_cache_bytes = 0
     name = model or "SmolLM2-135M-Instruct"
-    server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes, max_batch)
+    server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes, max_batch, max_batch_tokens)
     if server.batch_refusal:
         typer.secho(f"note: requests are decoded one at a time ({server.batch_refusal})", err=True,
                     fg=typer.colors.YELLOW)

@@ -77,6 +77,11 @@ class BatchTargetCache:
         """Tokens each row holds."""
         return next(h.cache.offset for h in self.handlers if isinstance(h, BatchTrimmableKV)).tolist()
 
+    @property
+    def width(self) -> int:
+        """Tokens the batch holds per row: the longest row's, the others left-padded to it."""
+        return next(h.cache._idx for h in self.handlers if isinstance(h, BatchTrimmableKV))
+
     def extend(self, other: "BatchTargetCache"):
         """Append `other`'s rows (after this batch's)."""
         for cache, more in zip(self.layers, other.layers):

@@ -1,12 +1,14 @@
 """Batched DFlash decoding: every request's output equals what it gets alone, on every family."""
 
 import random
+import time
+from collections import Counter
 
 import mlx.core as mx
 import pytest
 
 from dflash_mlx import engine
-from dflash_mlx.adaptive import CostModel, WidthChooser
+from dflash_mlx.adaptive import CostModel, StepTimes, WidthChooser
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
 from dflash_mlx.batch import BatchDecoder
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
@@ -166,25 +168,108 @@ def cost_model(per_token: float) -> CostModel:
     return CostModel(widths, [1.0 + per_token * (w - 1) for w in widths], draft_seconds=0.05)
 
 
-@pytest.mark.parametrize("per_token, drafts", [(0.0, True), (1.0, False)])
-def test_the_batch_width_follows_the_cost_curve(per_token, drafts):
-    """With a flat cost curve the batch drafts; when every verified token costs a full pass,
-    it decodes plain; the output is exact either way."""
-    target = tiny_target("llama", seed=2)
-    oracle, references = oracle_for(target, PROMPTS, 30)
-    model = DFlashModel(target, oracle, chooser=WidthChooser(cost_model(per_token), max_width=6, prior=0.8))
-    decoder = BatchDecoder(model)
-    uids = [decoder.add(mx.array(p), SamplingParams(), 30) for p in PROMPTS]
-    widths = []
-    out = {}
+def decode_all(decoder: BatchDecoder, references: list, max_tokens: int = 30) -> list:
+    """Decode PROMPTS in one batch; each step's (size, width).  Asserts every output exact."""
+    uids = [decoder.add(mx.array(p), SamplingParams(), max_tokens) for p in PROMPTS]
+    shapes, out = [], {}
     while decoder.busy:
         step = decoder.step()
-        widths.append(step.width)
+        if step.size:
+            shapes.append((step.size, step.width))
         for uid, s in step.steps.items():
             out.setdefault(uid, []).extend(s.tokens)
-    assert (max(widths) > 1) == drafts
     for uid, prompt, reference in zip(uids, PROMPTS, references):
-        assert out[uid] == reference[len(prompt): len(prompt) + 30]
+        assert out[uid] == reference[len(prompt): len(prompt) + max_tokens]
+    return shapes
+
+
+def assert_settles_plain(shapes: list) -> None:
+    """Mostly plain steps, and no verify shape run again once its cost was seen."""
+    wide = Counter(shape for shape in shapes if shape[1] > 1)
+    assert max(wide.values(), default=1) == 1 and len(wide) <= len(shapes) // 4
+
+
+class WideIsSlow:
+    """A target whose verify passes really cost 20 ms per extra token (what a CPU does to a
+    batch), whatever the cost curve says."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, tokens, *args, **kwargs):
+        out = self.target(tokens, *args, **kwargs)
+        if tokens.shape[1] > 1 and not kwargs.get("logits_for_last_only"):
+            mx.eval(out[0])
+            time.sleep(0.02 * (tokens.shape[1] - 1))
+        return out
+
+
+@pytest.mark.parametrize("per_token, drafts", [(0.0, True), (1.0, False)])
+def test_the_batch_width_follows_the_cost_curve(per_token, drafts):
+    """With a flat cost curve (and a tiny target, whose passes are that flat) the batch drafts;
+    when every verified token costs a full pass (and really does), it decodes plain; the output
+    is exact either way."""
+    target = tiny_target("llama", seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 30)
+    model = DFlashModel(target if drafts else WideIsSlow(target), oracle,
+                        chooser=WidthChooser(cost_model(per_token), max_width=6, prior=0.8))
+    shapes = decode_all(BatchDecoder(model), references)
+    if drafts:
+        assert any(width > 1 for _, width in shapes)
+    else:
+        assert_settles_plain(shapes)
+
+
+def test_step_times_learn_each_shape_and_guess_the_others():
+    times = StepTimes()
+    assert times.ratio(4, 2) == 1.0  # nothing run yet: the cost curve
+    times.observe(4, 8, modelled=0.2, seconds=0.5)
+    assert times.ratio(4, 8) == pytest.approx(2.5) and times.ratio(2, 2) == pytest.approx(2.5)
+    assert times.ratio(4, 1) == 1.0  # plain steps are judged by plain steps only
+    times.observe(4, 1, modelled=0.1, seconds=0.13)
+    assert times.ratio(4, 1) == pytest.approx(1.3) and times.ratio(8, 1) == pytest.approx(1.3)
+    assert times.ratio(2, 2) == pytest.approx(1.3)  # as many tokens as a run shape
+    assert times.ratio(1, 2) == pytest.approx(1.3)  # below every run shape: the nearest
+    assert 1.3 < times.ratio(4, 4) < 2.5  # between two run shapes
+    assert times.ratio(8, 8) == pytest.approx(2.5)  # past them: the nearest
+    times.observe(4, 1, modelled=0.1, seconds=10.0)  # a stall counts at most 4x the ratio so far
+    assert times.ratio(4, 1) == pytest.approx(1.3 + 0.3 * (4 * 1.3 - 1.3))
+
+
+def test_the_batch_learns_what_its_steps_really_cost():
+    """The curve says verifying is free; the steps say otherwise: after trying, the batch
+    decodes plain, and the output stays exact."""
+    target = tiny_target("llama", seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 30)
+    flat = CostModel([1, 2, 4, 8, 16], [0.01] * 5, draft_seconds=0.0005)
+    model = DFlashModel(WideIsSlow(target), oracle, chooser=WidthChooser(flat, max_width=6, prior=0.8))
+    shapes = decode_all(BatchDecoder(model), references)
+    assert any(width > 1 for _, width in shapes[:4])
+    assert_settles_plain(shapes)
+
+
+def test_a_token_bound_keeps_long_requests_apart():
+    """Rows join only while rows x the longest row's prompt + max_tokens fits the bound; a
+    request over it alone still runs, once the batch is empty.  Output exact either way."""
+    target = tiny_target("llama", seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 20)
+    model = DFlashModel(target, oracle)
+    longest = max(len(p) for p in PROMPTS) + 20
+    for bound, most_rows in ((2 * longest, 2), (longest - 1, 1), (10 * longest, 3)):
+        decoder = BatchDecoder(model, max_batch_tokens=bound)
+        uids = [decoder.add(mx.array(p), SamplingParams(), 20) for p in PROMPTS]
+        sizes, out = [], {}
+        while decoder.busy:
+            step = decoder.step()
+            sizes.append(step.size)
+            for uid, s in step.steps.items():
+                out.setdefault(uid, []).extend(s.tokens)
+        assert max(sizes) == most_rows
+        for uid, prompt, reference in zip(uids, PROMPTS, references):
+            assert out[uid] == reference[len(prompt): len(prompt) + 20]
 
 
 def test_batch_generate_equals_generate_alone(tiny_dirs):

@@ -79,6 +79,7 @@ def cli_cases(tiny_dirs, tmp_path):
         (gen + ["--split", "1,1"], "--split and --timeout go with --distributed"),
         (gen + ["--distributed", "pipeline", "--timeout", "0"], "--timeout must be > 0"),
         (["serve", "--model", model, "--distributed", "pipeline"], "start it with mlx.launch"),
+        (["serve", "--model", model, "--max-batch-tokens", "0"], "--max-batch-tokens must be >= 1"),
         # generate: text and paths
         (["generate", "--model", model, "--prompt", "  "], "prompt is empty"),
         (["generate", "--model", model, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], "UTF-8"),

@@ -83,6 +83,7 @@ def test_models_health_metrics(served):
     models = client.models.list()
     dflash = models.data[0].model_extra["dflash"]
     assert models.data[0].id == MODEL and dflash["batching"] is True and dflash["max_batch"] == 8
+    assert dflash["max_batch_tokens"] == 32768
     assert raw(port, "/health") == (200, '{"status":"ok"}')
     status, text = raw(port, "/metrics")
     assert status == 200 and "dflash_tau" in text and 'dflash_requests_total{status="200"}' in text

@@ -30,19 +30,21 @@ from .protocol import RequestError, number
 from .worker import DONE, BatchWorker, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
+MAX_BATCH_TOKENS = 32768  # 8 rows of 4k tokens; a longer request runs alone
 
 
 class Server:
     def __init__(self, model, tokenizer, model_id: str, max_queue: int = 16, context: Optional[int] = None,
-                 prompt_cache_bytes: int = 1 << 30, max_batch: int = 8):
+                 prompt_cache_bytes: int = 1 << 30, max_batch: int = 8, max_batch_tokens: Optional[int] = None):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
         self.batch_refusal = batch_refusal(model) if max_batch > 1 else None  # why one at a time, if so
         self.max_batch = 1 if self.batch_refusal else max_batch
+        self.max_batch_tokens = max_batch_tokens or MAX_BATCH_TOKENS
         if self.max_batch > 1:
             self.worker = BatchWorker(model, tokenizer, max_queue, self.metrics.finished, self.max_batch,
-                                      self.prompt_cache, self.metrics.batch_step)
+                                      self.prompt_cache, self.metrics.batch_step, self.max_batch_tokens)
         else:
             self.worker = Worker(model, tokenizer, max_queue, on_finish=self.metrics.finished)
         self.context = context
@@ -79,6 +81,7 @@ class Server:
             "dflash": {"drafter": draft is not None, "block_size": draft.block_size if draft else 1,
                        "adaptive_width": self.model.chooser is not None,
                        "batching": self.max_batch > 1, "max_batch": self.max_batch,
+                       "max_batch_tokens": self.max_batch_tokens if self.max_batch > 1 else None,
                        "prefix_cache": self.prompt_cache is not None,
                        "pipeline_ranks": getattr(self.model.target, "size", 1)},
         }]})
@@ -152,12 +155,13 @@ class Server:
 
 
 def make_app(model, tokenizer, model_id: str, max_queue: int = 16, prompt_cache_bytes: int = 1 << 30,
-             max_batch: int = 8) -> Server:
+             max_batch: int = 8, max_batch_tokens: Optional[int] = None) -> Server:
     """The server; with max_batch > 1, requests are decoded in batches when the target allows
     (else `Server.batch_refusal` says why not; the caller tells the user)."""
     from ..api import _context_limit
 
-    return Server(model, tokenizer, model_id, max_queue, _context_limit(model.target), prompt_cache_bytes, max_batch)
+    return Server(model, tokenizer, model_id, max_queue, _context_limit(model.target), prompt_cache_bytes, max_batch,
+                  max_batch_tokens)
 
 
 def batch_refusal(model) -> Optional[str]:

@@ -111,10 +111,10 @@ class BatchWorker(_Engine):
     """Up to `max_batch` jobs decoded together; `on_step(size, width)` after each batch step."""
 
     def __init__(self, model, tokenizer, max_queue: int = 16, on_finish=None, max_batch: int = 8,
-                 prompt_cache=None, on_step=None):
+                 prompt_cache=None, on_step=None, max_batch_tokens: Optional[int] = None):
         self.max_batch, self.prompt_cache, self.on_step = max_batch, prompt_cache, on_step
         self.active: dict[int, tuple[Job, Any]] = {}  # uid -> (job, its last response)
-        self.batch = BatchGenerator(model, tokenizer, max_batch, prompt_cache)
+        self.batch = BatchGenerator(model, tokenizer, max_batch, prompt_cache, max_batch_tokens)
         super().__init__(model, tokenizer, max_queue, on_finish)
 
     @property
