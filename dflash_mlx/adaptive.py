@@ -33,6 +33,7 @@ import json
 import math
 import platform
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -292,15 +293,19 @@ class StepTimes:
     and trusts the curve (ratio 1) until one has: otherwise dear verify steps would keep the
     batch from ever trying the plain step that costs less."""
 
-    def __init__(self, weight: float = 0.3, stall: float = 4.0):
-        self.weight, self.stall = weight, stall
+    def __init__(self, window: int = 7):
+        self.window = window
+        self.seen: dict[tuple[int, int], deque] = {}  # shape -> its last `window` ratios
+        # A run shape's ratio is the median of its last steps: a stalled step (GC, another
+        # process) moves it by one rank, not by its size.
         self.ratios: dict[tuple[int, int], float] = {}
 
     def ratio(self, rows: int, width: int) -> float:
-        if (rows, width) in self.ratios:
-            return self.ratios[rows, width]
+        ratios = self.ratios
+        if (rows, width) in ratios:
+            return ratios[rows, width]
         tokens = rows * width
-        run = [(r * w, -abs(r - rows), self.ratios[r, w]) for r, w in self.ratios if width > 1 or w == 1]
+        run = [(r * w, -abs(r - rows), ratios[r, w]) for r, w in ratios if width > 1 or w == 1]
         if not run:
             return 1.0
         same = [shape for shape in run if shape[0] == tokens]
@@ -318,13 +323,9 @@ class StepTimes:
         return modelled * self.ratio(rows, width)
 
     def observe(self, rows: int, width: int, modelled: float, seconds: float) -> None:
-        measured = seconds / modelled
-        if (rows, width) not in self.ratios:
-            self.ratios[rows, width] = measured
-            return
-        before = self.ratios[rows, width]
-        measured = min(measured, self.stall * before)  # one stalled step (GC, swapping) is not a trend
-        self.ratios[rows, width] = before + self.weight * (measured - before)
+        seen = self.seen.setdefault((rows, width), deque(maxlen=self.window))
+        seen.append(seconds / modelled)
+        self.ratios[rows, width] = median(seen)
 
 
 # ---------------------------------------------------------------- measuring the cost curve

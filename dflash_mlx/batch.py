@@ -96,7 +96,7 @@ class BatchDecoder:
         stats = stats if stats is not None else DecodeStats()
         stats.block_size = block
         seq = Sequence(model, prompt, params, seed, stats, adaptive, logprobs, grammar)
-        tcache = model.target.make_cache(batchable=True)
+        tcache = model.target.make_cache()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         row = Row(uid, seq, max_tokens, block, adaptive, tcache,
                   prefill_steps(model, prompt, tcache, seq.context, self.prompt_cache, stats), prompt.size + max_tokens)

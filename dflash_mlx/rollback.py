@@ -13,7 +13,7 @@ own accepted prefix.
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, dynamic_roll
 
 from .gated_delta import Tape
 
@@ -115,6 +115,35 @@ class BatchTrimmableKV:
             self.cache.finalize()
 
 
+class BatchRotatingKV:
+    """Sliding-window KV of a batch (mlx-lm's BatchRotatingKVCache).  A verify pass leaves it in
+    temporal order (the window's last max_size - 1 entries, then the block), so, as for one row,
+    the batch drops the tail past its longest kept prefix; then each shorter row is rolled right by
+    what it keeps less, its rejected tokens becoming masked left padding.  Padding is counted from
+    the buffer's start: a full window's left padding is negative (trimmed), so it restarts at 0.
+    Every row keeps at least one token, so the window stays full once it has filled."""
+
+    def __init__(self, cache: BatchRotatingKVCache):
+        self.cache = cache
+        self._start = 0
+
+    def checkpoint(self):
+        self._start = self.cache._offset
+
+    def rollback(self, keep: list[int]):
+        c, longest = self.cache, max(keep)
+        drop = c._offset - (self._start + longest)
+        if drop > 0:
+            c.keys, c.values = c.keys[..., :-drop, :], c.values[..., :-drop, :]
+            c._idx, c._offset, c.offset = c._idx - drop, c._offset - drop, c.offset - drop
+        if min(keep) < longest:
+            shift = mx.array([longest - k for k in keep])
+            c.keys = dynamic_roll(c.keys, shift[:, None], axis=2)
+            c.values = dynamic_roll(c.values, shift[:, None], axis=2)
+            c.left_padding = mx.maximum(c.left_padding, 0) + shift
+            c.offset = c.offset - shift
+
+
 class BatchGatedDeltaState(GatedDeltaState):
     """GatedDeltaNet states of a batch: each row replays its own number of accepted steps."""
 
@@ -150,7 +179,9 @@ def checkpointed_batch(cache: Any):
     """The batch counterpart of `checkpointed`, for a layer cache merged from rows' caches."""
     if type(cache) is BatchKVCache:
         return BatchTrimmableKV(cache)
+    if type(cache) is BatchRotatingKVCache:
+        return BatchRotatingKV(cache)
     if type(cache) is ArraysCache:
         return BatchGatedDeltaState(cache)
     raise UnsupportedCache(f"dflash-mlx cannot batch a {type(cache).__name__}; "
-                           "batched caches: KVCache (sliding windows included), GatedDeltaNet state")
+                           "batched caches: KVCache, RotatingKVCache, GatedDeltaNet state")

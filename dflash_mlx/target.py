@@ -21,21 +21,17 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from .gated_delta import MIXER_PROJECTIONS, gated_delta_forward
-from .rollback import BatchTrimmableKV, GatedDeltaState, UnsupportedCache, checkpointed, checkpointed_batch
+from .rollback import BatchRotatingKV, BatchTrimmableKV, GatedDeltaState, UnsupportedCache, checkpointed, checkpointed_batch
 
 
 class TargetCache:
-    """The target's per-layer mlx-lm caches plus their rollback handlers.  A cache made
-    `batchable` keeps whole sliding-window layers (a KVCache: the model's window mask does
-    the windowing) so it can be merged into a BatchTargetCache."""
+    """The target's per-layer mlx-lm caches plus their rollback handlers."""
 
-    def __init__(self, model: nn.Module, batchable: bool = False):
+    def __init__(self, model: nn.Module):
         self.layers = make_prompt_cache(model)
-        if batchable:
-            self.layers = [_unwindowed(c) for c in self.layers]
         self.handlers = [checkpointed(c) for c in self.layers]
 
     @property
@@ -52,19 +48,13 @@ class TargetCache:
             h.rollback(keep)
 
 
-def _unwindowed(cache):
-    if not isinstance(cache, RotatingKVCache):
-        return cache
-    if cache.keep:
-        raise UnsupportedCache(f"a sliding window that keeps its first {cache.keep} tokens cannot be batched")
-    return KVCache()
-
-
 class BatchTargetCache:
     """Several requests' target caches as one batch (mlx-lm's batch caches: rows share one
     write index; each row keeps its own length and rolls back its own accepted prefix)."""
 
     def __init__(self, rows: list[TargetCache]):
+        if any(isinstance(c, RotatingKVCache) and c.keep for c in rows[0].layers):
+            raise UnsupportedCache("a sliding window that keeps its first tokens cannot be batched")
         self.layers = [type(row_caches[0]).merge(list(row_caches)) for row_caches in zip(*(r.layers for r in rows))]
         self.handlers = [checkpointed_batch(c) for c in self.layers]
 
@@ -75,12 +65,16 @@ class BatchTargetCache:
     @property
     def offsets(self) -> list[int]:
         """Tokens each row holds."""
-        return next(h.cache.offset for h in self.handlers if isinstance(h, BatchTrimmableKV)).tolist()
+        return self._kv[0].offset.tolist()
 
     @property
     def width(self) -> int:
         """Tokens the batch holds per row: the longest row's, the others left-padded to it."""
-        return next(h.cache._idx for h in self.handlers if isinstance(h, BatchTrimmableKV))
+        return max(c._idx for c in self._kv)
+
+    @property
+    def _kv(self) -> list:
+        return [h.cache for h in self.handlers if isinstance(h, (BatchTrimmableKV, BatchRotatingKV))]
 
     def extend(self, other: "BatchTargetCache"):
         """Append `other`'s rows (after this batch's)."""
@@ -246,13 +240,13 @@ class Target:
         mx.eval(weight, bias)
         return lambda h: h @ weight.T + bias if bias is not None else h @ weight.T
 
-    def make_cache(self, batchable: bool = False) -> TargetCache:
-        return TargetCache(self.model, batchable)
+    def make_cache(self) -> TargetCache:
+        return TargetCache(self.model)
 
     def batch_refusal(self) -> str | None:
         """Why requests to this target cannot be decoded in batches (None: they can)."""
         try:
-            BatchTargetCache([self.make_cache(batchable=True)])
+            BatchTargetCache([self.make_cache()])
         except UnsupportedCache as e:
             return str(e)
         return None
