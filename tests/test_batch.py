@@ -301,3 +301,23 @@ def test_batch_generate_equals_generate_alone(tiny_dirs):
     assert [lp.token for r in streamed for lp in r.logprobs] == [lp.token for r in alone for lp in r.logprobs]
     with pytest.raises(ValueError, match="max_tokens"):
         gen.insert("hi", max_tokens=0)
+
+
+def test_a_stop_string_ends_one_row_and_the_others_go_on(tiny_dirs):
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
+    prompts = ["the cat sat", "one two three four", "hello"]
+    alone = [generate(model, tokenizer, p, max_tokens=24) for p in prompts]
+    stop = alone[0][len(alone[0]) // 3:][:3]  # met a third of the way into the first answer
+    assert stop.strip(), alone[0]
+    gen = BatchGenerator(model, tokenizer)
+    uids = [gen.insert(prompts[0], max_tokens=24, stop=[stop])] + [gen.insert(p, max_tokens=24) for p in prompts[1:]]
+    texts, finish, after = {uid: "" for uid in uids}, {}, 0
+    while gen.busy:
+        for uid, response in gen.next():
+            texts[uid] += response.text
+            after += uids[0] in finish
+            if response.finish_reason:
+                finish[uid] = response.finish_reason
+    assert finish[uids[0]] == "stop" and texts[uids[0]] == generate(model, tokenizer, prompts[0], 24, stop=[stop])
+    assert [texts[u] for u in uids[1:]] == alone[1:] and after > 0  # the others decoded on after it left
