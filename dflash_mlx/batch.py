@@ -132,10 +132,12 @@ class BatchDecoder:
     def _room_for(self, row: Row) -> bool:
         """Whether the first joining request may prefill its next chunk (first come, first
         served: a long request waits for room instead of being overtaken for ever)."""
+        if len(self.rows) >= self.max_batch:
+            return False
         if not self.rows or self.max_batch_tokens is None:
-            return len(self.rows) < self.max_batch
+            return True
         longest = max(self.cache.width + max(r.left for r in self.rows), row.most_tokens)
-        return len(self.rows) < self.max_batch and (len(self.rows) + 1) * longest <= self.max_batch_tokens
+        return (len(self.rows) + 1) * longest <= self.max_batch_tokens
 
     def _fill(self, row: Row) -> dict:
         tic = time.perf_counter()
