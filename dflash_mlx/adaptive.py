@@ -105,9 +105,17 @@ class CostModel:
         """What a cycle of width L costs besides the target pass: a distribution per verified
         position and, when the drafter proposed (`drafted`), its pass and a distribution per
         drafted position."""
-        if L == 1 or not drafted:
-            return L * self.row(params)
-        return self.draft_seconds + self.draft_per_token * (L - 1) + (2 * L - 1) * self.row(params)
+        return (self.drafter_pass(L) if drafted and L > 1 else 0.0) + self.sampling(L, params, drafted)
+
+    def drafter_pass(self, L: int, rows: int = 1) -> float:
+        """One drafter pass over `rows` blocks of L at once: its weights are read once for all
+        rows, its lm_head runs per drafted position."""
+        return self.draft_seconds + self.draft_per_token * (L - 1) * rows
+
+    def sampling(self, L: int, params: Optional[SamplingParams] = None, drafted: bool = True) -> float:
+        """The distributions of a cycle of width L: one per verified position, and one per
+        drafted position when the drafter proposed."""
+        return (2 * L - 1 if drafted and L > 1 else L) * self.row(params)
 
 
 @dataclass

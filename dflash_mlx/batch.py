@@ -3,13 +3,14 @@
     join    a request's prompt is prefilled alone, one chunk per step (the running rows
             keep decoding in between), then its caches are merged into the batch
     step    every row proposes for a shared width w (its drafter context, or its prompt
-            lookup), one target pass verifies B x w tokens, each row accepts its own
+            lookup; the rows drafting at one width share one drafter pass), one target
+            pass verifies B x w tokens, each row accepts its own
             prefix and rolls back its own caches (the batch handlers in rollback.py)
     leave   finished and cancelled rows are filtered out between steps
 
 With a cost model (adaptive.py), the width is chosen for the whole batch: the w that
 maximises the tokens all rows are expected to commit per second, a pass over B x w tokens
-plus the rows' drafter passes.  On a CPU, where a pass is compute-bound, a large batch
+plus the drafter passes.  On a CPU, where a pass is compute-bound, a large batch
 decodes plain (w = 1); where the pass cost is flat in its length (a Mac GPU), drafting
 pays at small and medium batch sizes.  Without one, each row drafts its own block.
 
@@ -19,13 +20,14 @@ to its own kept prefix.
 """
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import mlx.core as mx
 
 from .adaptive import PLAIN, AcceptanceEstimate, Plan, StepTimes
-from .engine import DecodeStats, DFlashModel, Sequence, draft, prefill_steps
+from .engine import DecodeStats, DFlashModel, Sequence, draft_rows, prefill_steps
 from .grammar import Grammar, masked
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, accept, choose
@@ -169,16 +171,11 @@ class BatchDecoder:
         modelled = self._seconds(rows, plans) if model.chooser is not None else None
         width = max(plan.width for plan in plans)
         noises = [row.seq.noise(row.produced, plan.width) for row, plan in zip(rows, plans)]
-        blocks, proposals = [], []
-        for row, plan, noise in zip(rows, plans, noises):
-            last = mx.array([row.token], dtype=mx.int32)
-            if plan.source == "dflash":
-                proposal = draft(model, last, row.seq.context, plan.width, row.seq.params, noise)
-            else:
-                proposal = mx.array(plan.tokens, dtype=mx.int32)
-            proposals.append(proposal)
-            padding = mx.zeros((width - plan.width,), dtype=mx.int32)  # never accepted: past the row's proposal
-            blocks.append(mx.concatenate([last, proposal.astype(mx.int32), padding]))
+        lasts = [mx.array([row.token], dtype=mx.int32) for row in rows]
+        proposals = self._proposals(plans, lasts, noises)
+        blocks = [mx.concatenate([last, proposal.astype(mx.int32),
+                                  mx.zeros((width - plan.width,), dtype=mx.int32)])  # never accepted: past the proposal
+                  for last, proposal, plan in zip(lasts, proposals, plans)]
         if width > 1:
             self.cache.checkpoint()
         logits, features = model.target(mx.stack(blocks), self.cache, model.feature_layers)
@@ -208,6 +205,18 @@ class BatchDecoder:
         for row in rows:
             row.stats.decode_seconds += seconds
         return width
+
+    def _proposals(self, plans: list[Plan], lasts: list[mx.array], noises: list) -> list[mx.array]:
+        """Each row's proposal: its prompt lookup's tokens, or its drafter's, all rows drafting
+        at one width in one drafter pass (its weights read once for all of them)."""
+        proposals = [mx.array(plan.tokens, dtype=mx.int32) for plan in plans]
+        for width in sorted({plan.width for plan in plans if plan.source == "dflash"}):
+            drafting = [i for i, plan in enumerate(plans) if plan.source == "dflash" and plan.width == width]
+            drafted = draft_rows(self.model, [lasts[i] for i in drafting], [self.rows[i].seq.context for i in drafting],
+                                 width, [self.rows[i].seq.params for i in drafting], [noises[i] for i in drafting])
+            for i, proposal in zip(drafting, drafted):
+                proposals[i] = proposal
+        return proposals
 
     def _plan(self) -> list[Plan]:
         """Each row's plan for this step (the widest sets the batch's verify width)."""
@@ -251,13 +260,16 @@ class BatchDecoder:
 
     def _seconds(self, rows: list[Row], plans: list[Plan]) -> float:
         """One step's time by the cost curve: a target pass over every row's block at the widest
-        plan's width, and each row's drafter pass and sampling distributions.  The plan scales it
-        by what steps of that shape really took (StepTimes)."""
+        plan's width, one drafter pass per width the drafting rows draft at, and each row's
+        sampling distributions.  The plan scales it by what steps of that shape really took
+        (StepTimes)."""
         cost = self.model.chooser.cost
         width = max(plan.width for plan in plans)
-        return cost.verify(len(rows) * width) + sum(
-            cost.beside_verify(plan.width, row.seq.params, drafted=plan.source == "dflash")
-            for row, plan in zip(rows, plans))
+        drafting = Counter(plan.width for plan in plans if plan.source == "dflash" and plan.width > 1)
+        return (cost.verify(len(rows) * width)
+                + sum(cost.drafter_pass(w, count) for w, count in drafting.items())
+                + sum(cost.sampling(plan.width, row.seq.params, drafted=plan.source == "dflash")
+                      for row, plan in zip(rows, plans)))
 
     def _estimate(self, row: Row, kind: str) -> AcceptanceEstimate:
         if kind not in row.estimates:

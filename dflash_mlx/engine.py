@@ -212,9 +212,17 @@ def draft(model: DFlashModel, last: mx.array, context: Context, width: int, para
           noise: Optional[mx.array]) -> mx.array:
     """Propose width - 1 tokens after `last` in one drafter pass (width >= 2), with the
     noise of their output positions (`noise` covers the whole verify block)."""
-    mask = mx.full((width - 1,), model.draft.mask_token_id, dtype=mx.int32)
-    block = mx.concatenate([last.reshape(1).astype(mx.int32), mask])[None]
-    return model.draft.propose(block, context.flush(), params, None if noise is None else noise[:-1])
+    return draft_rows(model, [last], [context], width, [params], [noise])[0]
+
+
+def draft_rows(model: DFlashModel, lasts: list[mx.array], contexts: list[Context], width: int,
+               params: list[SamplingParams], noises: list[Optional[mx.array]]) -> list[mx.array]:
+    """draft() for several rows at one width, in one drafter pass: each row's proposal is
+    what it drafts alone."""
+    anchors = mx.concatenate([last.reshape(1) for last in lasts]).astype(mx.int32)[:, None]
+    mask = mx.full((len(lasts), width - 1), model.draft.mask_token_id, dtype=mx.int32)
+    return model.draft.propose_rows(mx.concatenate([anchors, mask], axis=1), [c.flush() for c in contexts],
+                                    params, [None if noise is None else noise[:-1] for noise in noises])
 
 
 def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, context: Context,

@@ -12,6 +12,7 @@ from dflash_mlx import engine
 from dflash_mlx.adaptive import CostModel, StepTimes, WidthChooser
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
 from dflash_mlx.batch import BatchDecoder
+from dflash_mlx.drafters.dflash import ContextRows
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import BatchTargetCache
@@ -63,6 +64,37 @@ def test_each_row_rolls_back_to_its_own_prefix(model_type):
             target(mx.array([prompt + block[i, :keep].tolist()]), alone)
             want, _ = target(mx.array([[11 + i]]), alone)
             assert mx.allclose(got[i], want[0], atol=1e-4, rtol=1e-4), (keeps, i)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "restricted"])
+def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
+    """One drafter pass over several rows (contexts of different lengths, greedy and sampled
+    rows mixed) proposes, row by row, what each row's own pass proposes."""
+    target = tiny_target("llama", seed=2)
+    draft = random_dflash2(target, block_size=6) if kind == "dflash2" else random_draft(target, block_size=6)
+    if kind == "restricted":
+        draft.restrict_vocab(list(range(0, target.vocab_size, 3)))
+    model = DFlashModel(target, draft)
+    contexts, lasts = [], []
+    for prompt in PROMPTS + [PROMPTS[0][:3]]:
+        context = engine.Context(model)
+        _, features = target(mx.array([prompt]), target.make_cache(), draft.target_layer_ids)
+        context.add(features)
+        contexts.append(context)
+        lasts.append(mx.array([prompt[-1]]))
+    params = [SamplingParams(), SamplingParams(temp=0.8), SamplingParams(temp=1.3), SamplingParams()]
+    for width in (2, 6):
+        noises = [None if p.greedy else mx.random.gumbel((width, target.vocab_size), key=mx.random.key(i))
+                  for i, p in enumerate(params)]
+        together = engine.draft_rows(model, lasts, contexts, width, params, noises)
+        alone = [engine.draft(model, *row, width, p, noise) for row, p, noise in zip(zip(lasts, contexts), params, noises)]
+        assert [t.tolist() for t in together] == [a.tolist() for a in alone], (kind, width)
+        assert all(t.size == width - 1 for t in together)
+    hidden_together = draft.run_layers(mx.array([[1, 5], [2, 5], [3, 5], [4, 5]]),
+                                       [ContextRows([c.cache[i] for c in contexts], 2) for i in range(len(draft.layers))])
+    for row, context in enumerate(contexts):
+        alone = draft.run_layers(mx.array([[row + 1, 5]]), context.cache)
+        assert mx.allclose(hidden_together[row], alone[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -260,6 +292,25 @@ def test_the_batch_learns_what_its_steps_really_cost():
     shapes = decode_all(BatchDecoder(model), references)
     assert any(width > 1 for _, width in shapes[:4])
     assert_settles_plain(shapes)
+
+
+def test_rows_drafting_together_pay_for_one_drafter_pass():
+    """A drafter pass as dear as 30% of a flat target pass: alone a row gains by drafting
+    (1.5 tokens for 1.3 passes), three rows would not if each paid its own pass (4.5 tokens
+    for 1.9), but they draft in one pass (4.5 for 1.3 + the per-token share), so they draft."""
+    target = tiny_target("llama", seed=2)
+    oracle, _ = oracle_for(target, PROMPTS, 30)
+    cost = CostModel([1, 2, 4, 8, 16], [1.0] * 5, draft_seconds=0.3, draft_per_token=0.01)
+    assert cost.drafter_pass(2, rows=3) == pytest.approx(0.33)
+    decoder = BatchDecoder(DFlashModel(target, oracle, chooser=WidthChooser(cost, max_width=2, prior=0.5)))
+    for prompt in PROMPTS:
+        decoder.add(mx.array(prompt), SamplingParams(), 30)
+    while decoder.joining:
+        decoder.step()
+    decoder.step_times = StepTimes()  # judged by the curve alone
+    plans = decoder._plan()
+    assert len(plans) == 3 and all(plan.width == 2 and plan.source == "dflash" for plan in plans)
+    assert decoder._seconds(decoder.rows, plans) == pytest.approx(1.0 + 0.33)
 
 
 def test_a_token_bound_keeps_long_requests_apart():

@@ -4,6 +4,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from dflash_mlx.drafters import DFlashDraftModel, DraftArgs
+from dflash_mlx.drafters.dflash import ContextRows
 from dflash_mlx.target import Target
 
 VOCAB = 97
@@ -134,6 +135,9 @@ class OracleDraft(DFlashDraftModel):
         self.wrong = set(wrong)
 
     def __call__(self, block, cache):
+        if isinstance(cache[0], ContextRows):  # several rows' blocks: each as alone
+            return mx.concatenate([self(block[i : i + 1], [layer.rows[i] for layer in cache])
+                                   for i in range(block.shape[0])])
         start = cache[0].offset  # position of block[0]
         L = block.shape[1]
         tokens = []
@@ -161,6 +165,8 @@ class RowsOracleDraft(OracleDraft):
         self.references, self.wrongs = references, wrong
 
     def __call__(self, block, cache):
+        if isinstance(cache[0], ContextRows):
+            return super().__call__(block, cache)  # row by row, each back here
         start, last = cache[0].offset, block[0, 0].item()
         pick = next((i for i, r in enumerate(self.references) if start < len(r) and r[start] == last), 0)
         self.reference, self.wrong = self.references[pick], self.wrongs[pick]

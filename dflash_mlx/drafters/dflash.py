@@ -2,6 +2,7 @@
 keys/values are the injected target context followed by the block itself.
 
     ContextKV       the context's keys/values, appended as positions are committed
+    ContextRows     several rows' contexts, for one pass over all their blocks
     DraftAttention  attention over [context, block], bidirectional inside the block
     DraftLayer      attention + MLP, pre-norm residual
 """
@@ -81,6 +82,20 @@ class ContextKV:
                                causal=attn.causal, window=attn.window)
 
 
+class ContextRows:
+    """One layer's contexts of several rows (a ContextKV each), for one drafter pass over
+    all their blocks: the projections and MLPs read the weights once for every row, and
+    each row's block attends to its own context at its own positions."""
+
+    def __init__(self, rows: list[ContextKV], width: int):
+        self.rows = rows
+        self.position = mx.array([[c.offset + i for i in range(width)] for c in rows])  # (rows, width)
+
+    def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
+        return mx.concatenate([c.attend(attn, queries[i : i + 1], keys[i : i + 1], values[i : i + 1])
+                               for i, c in enumerate(self.rows)])
+
+
 class DraftAttention(nn.Module):
     def __init__(self, args: DraftArgs, layer_type: str):
         super().__init__()
@@ -108,10 +123,12 @@ class DraftAttention(nn.Module):
 
     def _rope(self, x: mx.array, position) -> mx.array:
         """RoPE at `position`: an int offset for consecutive tokens, or an array with
-        one position per token (packed training blocks)."""
+        one position per token, row by row (packed training blocks, several rows' blocks)."""
         if isinstance(position, int):
             return self.rope(x, offset=position)
-        return self.rope(x.swapaxes(0, 2), offset=position).swapaxes(0, 2)
+        B, H, L, D = x.shape  # each token its own "row" of one, rotated at its own offset
+        flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+        return self.rope(flat, offset=position.reshape(-1)).reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
     def keys_values(self, x: mx.array, position) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ..sampling import SamplingParams, choose
 from .config import CODEBOOKS, DraftArgs, check_pair
-from .dflash import ContextKV, DraftLayer
+from .dflash import ContextKV, ContextRows, DraftLayer
 from .dflash2 import CandidateSelector, DFlash2Layer
 from .vocab import DraftVocabulary
 
@@ -108,12 +108,26 @@ class DFlashDraftModel(nn.Module):
         """The drafted tokens (L-1,) for block = [last token, mask...] (batch 1); `noise`
         (L-1, full vocab) is the Gumbel noise of their output positions when sampling.
         DFlash 1 samples each position from its logits, DFlash 2 walks its selector."""
+        return self.propose_rows(block, [cache], [params], [noise])[0]
+
+    def propose_rows(self, blocks: mx.array, caches: list[list[ContextKV]], params: list[SamplingParams],
+                     noises: list[Optional[mx.array]]) -> list[mx.array]:
+        """propose() for several rows' blocks (R, L) in one pass, each row with its own
+        context, sampling parameters and noise: what each would draft alone."""
+        if len(caches) == 1:
+            contexts = caches[0]
+        else:
+            contexts = [ContextRows(list(layer), blocks.shape[1]) for layer in zip(*caches)]
         ids = self.vocab_ids
         if self.args.dflash2:
-            hidden = self.run_layers(block, cache)[:, 1:]
-            return self.candidate_selector.walk(hidden[0], self.logits(hidden)[0], block[0, 0], ids, params.temp, noise)
-        choice = choose(self(block, cache)[0], params, noise if noise is None or ids is None else noise[:, ids])
-        return choice if ids is None else ids[choice]
+            hidden = self.run_layers(blocks, contexts)[:, 1:]
+            logits = self.logits(hidden)
+            return [self.candidate_selector.walk(hidden[i], logits[i], blocks[i, 0], ids, row_params.temp, noise)
+                    for i, (row_params, noise) in enumerate(zip(params, noises))]
+        logits = self(blocks, contexts)
+        choices = [choose(logits[i], row_params, noise if noise is None or ids is None else noise[:, ids])
+                   for i, (row_params, noise) in enumerate(zip(params, noises))]
+        return choices if ids is None else [ids[choice] for choice in choices]
 
     def logits(self, hidden: mx.array) -> mx.array:
         logits = self._vocab.head(hidden)
