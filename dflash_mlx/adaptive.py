@@ -192,10 +192,107 @@ class Plan:
 PLAIN = Plan()
 
 
+class StepTimes:
+    """How much longer a batch step really takes than the cost curve says, per shape (rows, width).
+
+    The curve times one row at a short context and is extrapolated past its widest probe; a
+    batch step attends over B contexts of any length and verifies B x w tokens (measured here:
+    8 rows x 9 tokens took 2.5x the extrapolated curve, 8 rows x 1 token 1.3x).  Each step's wall
+    time teaches the ratio of its shape.  A shape not run yet takes the ratio of a run one of as
+    many tokens (rows x width), else is interpolated in log tokens between the run shapes around
+    it, else takes the nearest one's.  A plain step (width 1) is judged only by plain steps run,
+    and trusts the curve (ratio 1) until one has: otherwise dear verify steps would keep the
+    batch from ever trying the plain step that costs less.
+
+    With a `store` (a file beside the machine's cost curve), what the steps taught is kept every
+    `save_every` steps and read back by the next process, so a fresh server does not pay again
+    to learn which shapes are dear; it holds for the curve it was learnt against (`basis`)."""
+
+    def __init__(self, window: int = 7, store: Optional[Path] = None, basis: Sequence[float] = (),
+                 save_every: int = 50):
+        self.window = window
+        self.seen: dict[tuple[int, int], deque] = {}  # shape -> its last `window` ratios
+        # A run shape's ratio is the median of its last steps: a stalled step (GC, another
+        # process) moves it by one rank, not by its size.
+        self.ratios: dict[tuple[int, int], float] = {}
+        self.store, self.basis, self.save_every = store, list(basis), save_every
+        self._unsaved = 0
+
+    @classmethod
+    def stored(cls, store: Path, basis: Sequence[float], window: int = 7) -> "StepTimes":
+        """The step times kept in `store` for the curve `basis` (none yet, or for another curve:
+        fresh ones, kept there from now on)."""
+        times = cls(window, store, basis)
+        if not store.is_file():
+            return times
+        try:
+            kept = json.loads(store.read_text())
+            if kept["basis"] != times.basis:
+                return times  # learnt against a curve measured since replaced
+            for rows, width, ratios in kept["shapes"]:
+                if not (isinstance(rows, int) and isinstance(width, int) and rows > 0 and width > 0 and ratios
+                        and all(isinstance(r, (int, float)) and 0 < r < 1e4 for r in ratios)):
+                    raise ValueError("not a step time")
+                times.seen[rows, width] = deque(ratios[-window:], maxlen=window)
+                times.ratios[rows, width] = median(times.seen[rows, width])
+        except (ValueError, TypeError, KeyError, OSError) as e:  # truncated, foreign or from another version
+            console.print(f"note: the step times in {store} are unreadable ({type(e).__name__}); learning them again",
+                          style="yellow")
+            times.seen, times.ratios = {}, {}
+        return times
+
+    def ratio(self, rows: int, width: int) -> float:
+        ratios = self.ratios
+        if (rows, width) in ratios:
+            return ratios[rows, width]
+        tokens = rows * width
+        run = [(r * w, -abs(r - rows), ratios[r, w]) for r, w in ratios if width > 1 or w == 1]
+        if not run:
+            return 1.0
+        same = [shape for shape in run if shape[0] == tokens]
+        if same:
+            return max(same)[2]  # the one closest in rows
+        below = max((shape for shape in run if shape[0] < tokens), default=None)
+        above = min((shape for shape in run if shape[0] > tokens), key=lambda shape: (shape[0], -shape[1]),
+                    default=None)
+        if below is None or above is None:
+            return (below or above)[2]
+        t = math.log(tokens / below[0]) / math.log(above[0] / below[0])
+        return below[2] + t * (above[2] - below[2])
+
+    def seconds(self, rows: int, width: int, modelled: float) -> float:
+        return modelled * self.ratio(rows, width)
+
+    def observe(self, rows: int, width: int, modelled: float, seconds: float) -> None:
+        seen = self.seen.setdefault((rows, width), deque(maxlen=self.window))
+        seen.append(seconds / modelled)
+        self.ratios[rows, width] = median(seen)
+        self._unsaved += 1
+        if self.store is not None and self._unsaved >= self.save_every:
+            self.save()
+
+    def flush(self) -> None:
+        """Keep what was learnt since the last save (a batch that just emptied calls it)."""
+        if self.store is not None and self._unsaved:
+            self.save()
+
+    def save(self) -> None:
+        self._unsaved = 0
+        shapes = [[rows, width, list(seen)] for (rows, width), seen in sorted(self.seen.items())]
+        try:
+            atomic_write(self.store, json.dumps({"basis": self.basis, "shapes": shapes}))
+        except OSError as e:
+            console.print(f"note: could not keep the step times in {self.store} ({e.strerror}); "
+                          "a new process learns them again", style="yellow")
+            self.store = None
+
+
 class WidthChooser:
     def __init__(self, cost: CostModel, max_width: int, prior: float = 0.5, explore_every: int = 64,
-                 first_probe: int = 8, long_run_decay: float = 0.999, time_aging: float = 0.01):
+                 first_probe: int = 8, long_run_decay: float = 0.999, time_aging: float = 0.01,
+                 step_times: Optional[StepTimes] = None):
         self.cost = cost
+        self.step_times = step_times or StepTimes()  # what batch steps of each shape take (batch.py)
         self.max_width = max_width
         self.explore_every, self.first_probe = explore_every, first_probe
         self.prior, self.long_run_decay, self.time_aging = prior, long_run_decay, time_aging
@@ -289,53 +386,6 @@ class WidthChooser:
                 self._time_ratio[source] += self.time_aging * (self._time_ratio["plain"] - self._time_ratio[source])
 
 
-class StepTimes:
-    """How much longer a batch step really takes than the cost curve says, per shape (rows, width).
-
-    The curve times one row at a short context and is extrapolated past its widest probe; a
-    batch step attends over B contexts of any length and verifies B x w tokens (measured here:
-    8 rows x 9 tokens took 2.5x the extrapolated curve, 8 rows x 1 token 1.3x).  Each step's wall
-    time teaches the ratio of its shape.  A shape not run yet takes the ratio of a run one of as
-    many tokens (rows x width), else is interpolated in log tokens between the run shapes around
-    it, else takes the nearest one's.  A plain step (width 1) is judged only by plain steps run,
-    and trusts the curve (ratio 1) until one has: otherwise dear verify steps would keep the
-    batch from ever trying the plain step that costs less."""
-
-    def __init__(self, window: int = 7):
-        self.window = window
-        self.seen: dict[tuple[int, int], deque] = {}  # shape -> its last `window` ratios
-        # A run shape's ratio is the median of its last steps: a stalled step (GC, another
-        # process) moves it by one rank, not by its size.
-        self.ratios: dict[tuple[int, int], float] = {}
-
-    def ratio(self, rows: int, width: int) -> float:
-        ratios = self.ratios
-        if (rows, width) in ratios:
-            return ratios[rows, width]
-        tokens = rows * width
-        run = [(r * w, -abs(r - rows), ratios[r, w]) for r, w in ratios if width > 1 or w == 1]
-        if not run:
-            return 1.0
-        same = [shape for shape in run if shape[0] == tokens]
-        if same:
-            return max(same)[2]  # the one closest in rows
-        below = max((shape for shape in run if shape[0] < tokens), default=None)
-        above = min((shape for shape in run if shape[0] > tokens), key=lambda shape: (shape[0], -shape[1]),
-                    default=None)
-        if below is None or above is None:
-            return (below or above)[2]
-        t = math.log(tokens / below[0]) / math.log(above[0] / below[0])
-        return below[2] + t * (above[2] - below[2])
-
-    def seconds(self, rows: int, width: int, modelled: float) -> float:
-        return modelled * self.ratio(rows, width)
-
-    def observe(self, rows: int, width: int, modelled: float, seconds: float) -> None:
-        seen = self.seen.setdefault((rows, width), deque(maxlen=self.window))
-        seen.append(seconds / modelled)
-        self.ratios[rows, width] = median(seen)
-
-
 # ---------------------------------------------------------------- measuring the cost curve
 
 
@@ -419,10 +469,21 @@ def monotone(values: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(n)]
 
 
+def costs_path(key: str, cache_root: Path) -> Path:
+    """Where the cost model of (`key`, this machine) is stored."""
+    name = f"{key}-{machine_key()}-v4".replace("/", "_").replace(" ", "_")  # v4: sampling = position noise + argmax
+    return cache_root / "costs" / f"{name}.json"
+
+
+def step_times_path(key: str, cache_root: Path) -> Path:
+    """Where the batch step times learnt against that cost model are kept (StepTimes.stored)."""
+    path = costs_path(key, cache_root)
+    return path.with_name(f"{path.stem}-steps.json")
+
+
 def cached_costs(key: str, measure, cache_root: Path) -> CostModel:
     """The cost model stored for (`key`, this machine), measured and stored on first use."""
-    name = f"{key}-{machine_key()}-v4".replace("/", "_").replace(" ", "_")  # v4: sampling = position noise + argmax
-    path = cache_root / "costs" / f"{name}.json"
+    path = costs_path(key, cache_root)
     if path.is_file():
         try:
             return CostModel.from_dict(json.loads(path.read_text()))

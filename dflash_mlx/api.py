@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import WidthChooser, cached_costs, measure_costs
+from .adaptive import StepTimes, WidthChooser, cached_costs, measure_costs, step_times_path
 from .drafters import load_draft
 from .io import blas
 from .io.progress import add_task, console, progress
@@ -109,7 +109,8 @@ def load(
             return measure_costs(target, drafter)
 
         cost = cached_costs(key, measure, cache_dir())
-        chooser = WidthChooser(cost, drafter.block_size)
+        step_times = StepTimes.stored(step_times_path(key, cache_dir()), basis=cost.seconds)
+        chooser = WidthChooser(cost, drafter.block_size, step_times=step_times)
     return DFlashModel(target, drafter, note, chooser), tokenizer
 
 

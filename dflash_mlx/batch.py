@@ -81,7 +81,7 @@ class BatchDecoder:
         self.rows: list[Row] = []  # decoding, in the batch cache's row order
         self.joining: list[Row] = []  # waiting for (or in) their prefill
         self.cache: Optional[BatchTargetCache] = None
-        self.step_times = StepTimes()
+        self.step_times = model.chooser.step_times if model.chooser is not None else StepTimes()
         self._next_uid = 0
 
     @property
@@ -114,6 +114,7 @@ class BatchDecoder:
         self.rows = [self.rows[i] for i in kept]
         if not kept:
             self.cache = None
+            self.step_times.flush()  # idle: keep what this batch learnt for the next process
         else:
             self.cache.keep_rows(kept)
 

@@ -282,6 +282,33 @@ def test_step_times_learn_each_shape_and_guess_the_others():
     assert times.ratio(4, 1) == pytest.approx(2.0)
 
 
+def test_step_times_are_kept_for_the_next_process(tmp_path, capsys):
+    """What the steps taught is saved every `save_every` steps and when the batch empties, read
+    back for the same curve, ignored for a re-measured one, and a broken file is a note."""
+    store = tmp_path / "costs" / "pair-steps.json"
+    times = StepTimes.stored(store, basis=[0.1, 0.2])
+    times.save_every = 3
+    times.observe(4, 1, modelled=0.1, seconds=0.13)
+    times.observe(4, 2, modelled=0.2, seconds=0.5)
+    assert not store.exists()
+    times.observe(4, 2, modelled=0.2, seconds=0.6)
+    again = StepTimes.stored(store, basis=[0.1, 0.2])
+    assert again.ratios == times.ratios and again.ratio(2, 4) == pytest.approx(2.75)
+    assert StepTimes.stored(store, basis=[0.1, 0.3]).ratios == {}  # another curve
+    for junk in ('{"basis": [0.1, 0.2], "shapes": [[4, 1, ["x"]]]}', '{"basis": [0.1, 0.2], "sha'):
+        store.write_text(junk)
+        assert StepTimes.stored(store, basis=[0.1, 0.2]).ratios == {}
+        assert "unreadable" in capsys.readouterr().err
+
+    target = tiny_target("llama", seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 12)
+    chooser = WidthChooser(cost_model(0.1), max_width=6, step_times=StepTimes.stored(store, basis=[1.0]))
+    decoder = BatchDecoder(DFlashModel(target, oracle, chooser=chooser))
+    decode_all(decoder, references, max_tokens=12)  # fewer steps than save_every: kept once idle
+    kept = StepTimes.stored(store, basis=[1.0])
+    assert kept.ratios == chooser.step_times.ratios and len(kept.ratios) >= 2
+
+
 def test_the_batch_learns_what_its_steps_really_cost():
     """The curve says verifying is free; the steps say otherwise: after trying, the batch
     decodes plain, and the output stays exact."""
