@@ -286,6 +286,18 @@ def make_prompts(
     typer.echo(f"prompts in {path}")
 
 
+def _width_list(text: str) -> list[int]:
+    """'2,3,4' or '2-16' (or a mix) as a list of widths; a one-line error otherwise."""
+    widths = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            widths += range(int(low), int(high or low) + 1)
+    except ValueError:
+        fail(f"--block-widths takes widths like 2,3,4 or 2-16, got {text!r}")
+    return widths
+
+
 @train_app.command("fit")
 @user_errors
 def fit(
@@ -305,6 +317,7 @@ def fit(
     text_fraction: float = typer.Option(0.0, "--text-fraction", help="Share of each step's sequences taken from teacher-forced standard-library text."),
     text_window: int = typer.Option(256, "--text-window", help="Tokens per text window."),
     block_positions: int = typer.Option(256, "--block-positions", help="Block positions per sequence and step (random anchors)."),
+    block_widths: Optional[str] = typer.Option(None, "--block-widths", help="Cut each training block to a verify width drawn from these (e.g. 2,3,4 or 2-16): the widths the loop drafts at; default: blocks as long as their labels."),
     head_size: int = typer.Option(8192, "--head-size", help="Token ids in the training loss's output vocabulary (most frequent)."),
     distill: float = typer.Option(0.0, "--distill", help="Weight in [0, 1] of KL(target || drafter) in the loss (the rest: the hard greedy label)."),
     eval_every: int = typer.Option(0, "--eval-every", help="Steps between held-out tau checks (0: end only)."),
@@ -330,10 +343,12 @@ def fit(
         fail(f"--target-layer-ids must be comma-separated integers, got {target_layer_ids!r}")
     if text_window < 2:
         fail(f"--text-window must be >= 2, got {text_window}")
+    widths = _width_list(block_widths) if block_widths else None
     cfg = TrainConfig(block_size=block_size, num_layers=layers, architecture=arch, num_target_layers=len(ids) if ids else target_layers,
                       target_layer_ids=ids, gamma=gamma, epochs=epochs, steps=steps, lr=lr,
                       sequences_per_step=sequences_per_step, text_fraction=text_fraction,
-                      text_window=text_window, block_positions=block_positions, head_size=head_size,
+                      text_window=text_window, block_positions=block_positions, block_widths=widths,
+                      head_size=head_size,
                       distill=distill, eval_every=eval_every,
                       checkpoint_every=checkpoint_every,
                       init_from_target=not no_init_from_target, init_from=init_from, seed=seed)

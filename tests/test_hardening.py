@@ -102,6 +102,10 @@ def cli_cases(tiny_dirs, tmp_path):
         (["train", "fit", "--model", model, "--data", data, "--out", str(readonly / "f")], "cannot write"),
         (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
           "--target-layer-ids", "1,x"], "comma-separated integers"),
+        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
+          "--block-widths", "2,four"], "--block-widths takes widths like"),
+        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
+          "--block-widths", "1-4"], "block widths must be in 2..16"),
         (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f")], "different target"),
         # bench
         (["bench", "--model", model, "--draft", draft, "--out", str(readonly / "b")], "cannot write the results"),

@@ -56,6 +56,24 @@ def packed(rng, seqs, features, greedy, block_size, budget, vocab=None):
     return blocks, pack(seqs, features, greedy, blocks, MASK, 3.0, vocab)
 
 
+def test_training_blocks_cut_to_drawn_verify_widths():
+    """With widths, each block is as long as a verify width drawn from them (never longer than its
+    labels allow), every width is drawn, the budget holds more blocks; without, nothing changes."""
+    rng = random.Random(0)
+    seq = Example("p", [1, 2, 3], list(range(10, 90)))  # a response: every position fully labelled
+    counts = label_counts(seq.tokens, np.array(seq.tokens[1:] + [0]), 16)
+    full = sample_blocks(seq, counts, 200, random.Random(1))
+    assert full == sample_blocks(seq, counts, 200, random.Random(1), None)
+    cut = sample_blocks(seq, counts, 200, random.Random(1), [2, 3, 4])
+    assert all(1 <= n <= min(3, counts[a]) for a, n in cut)
+    assert {n for a, n in cut} == {1, 2, 3}
+    assert len(cut) > 2 * len(full) and sum(1 + n for _, n in cut) <= 200
+    with pytest.raises(ValueError, match="block widths must be in 2..16"):
+        TrainConfig(block_widths=[1, 4])
+    with pytest.raises(ValueError, match="block widths must be in 2..4"):
+        TrainConfig(block_size=4, block_positions=8, block_widths=[2, 8])
+
+
 def test_packed_blocks_see_exactly_their_own_past_and_block():
     rng = random.Random(0)
     seqs = make_examples(rng, 3) + [Window("w", [rng.randrange(90) for _ in range(20)])]
@@ -252,11 +270,12 @@ def test_trained_drafter_round_trips_and_is_lossless(trained):
 
 
 def test_dflash2_training_learns_and_stays_lossless(tmp_path):
+    """(With training blocks cut to verify widths 2-3 of its block of 4.)"""
     target = tiny_target("qwen3", seed=4)
     examples = self_distilled(target, 96, 40)
     cfg = TrainConfig(block_size=4, num_layers=1, num_target_layers=2, mask_token_id=MASK, epochs=6,
                       sequences_per_step=8, lr=3e-3, warmup_steps=5, eval_prompts=6, eval_max_tokens=24,
-                      checkpoint_every=100, **DFLASH2)
+                      checkpoint_every=100, block_widths=[2, 3], **DFLASH2)
     draft = fit(target, None, examples, tmp_path, cfg, show_progress=False, log=lambda *_: None)
     history = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in history if "loss" in r]

@@ -37,6 +37,9 @@ class TrainConfig:
     text_fraction: float = 0.0  # share of each step's sequences that are text windows
     text_window: int = 256  # tokens per text window (corpus.text_windows)
     block_positions: int = 256  # per sequence and step: random anchors until their blocks fill this
+    # verify widths the training blocks are cut to, one drawn per block (None: as long as the labels
+    # allow); the drafter then learns each position as the loop drafts it at those widths
+    block_widths: Optional[list[int]] = None
     head_size: int = 8192  # output vocabulary of the loss: the most frequent token ids of the data
     distill: float = 0.0  # weight of KL(target || drafter) over the restricted vocabulary (1 - it: the hard label)
     lr: float = 1e-3
@@ -75,5 +78,13 @@ class TrainConfig:
             raise ValueError(f"distill is a weight in [0, 1], got {self.distill}")
         if self.block_positions < self.block_size:
             raise ValueError(f"block positions per sequence ({self.block_positions}) must be >= the block size")
+        self.check_block_widths()
+
+    def check_block_widths(self) -> None:
+        """Training widths within 2..block size (checked again once a warm start sets the size)."""
+        if self.block_widths is not None and (not self.block_widths
+                                              or not all(2 <= w <= self.block_size for w in self.block_widths)):
+            raise ValueError(f"block widths must be in 2..{self.block_size} (the block size), "
+                             f"got {self.block_widths}")
 
 

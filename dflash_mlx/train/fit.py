@@ -9,7 +9,8 @@ Each optimizer step:
               own choices: every position of a self-distilled response, and the
               agreeing stretches of teacher-forced text (corpus.py)
     anchors   random, until their blocks [token at a, MASK x n] fill a budget per
-              sequence; a block is as long as its labels (n <= B-1)
+              sequence; a block is as long as its labels (n <= B-1), or cut to a verify
+              width drawn from `block_widths` (the widths the decode loop drafts at)
     attention bidirectional inside a block; a block sees the context features of
               its own sequence before its anchor, never another block
     dflash2   (architecture "dflash2") each block's convolutions see only its own
@@ -110,6 +111,7 @@ def fit(
         cfg.architecture = "dflash2" if draft.args.dflash2 else "dflash"
         cfg.block_size, cfg.num_layers = draft.block_size, len(draft.layers)
         cfg.target_layer_ids, cfg.mask_token_id = draft.target_layer_ids, draft.mask_token_id
+        cfg.check_block_widths()  # against the warm start's block size
         state = TrainState()
         log(f"starting from the drafter in {cfg.init_from} ({cfg.num_layers} layers)")
     else:
@@ -152,8 +154,8 @@ def fit(
         seqs += [text[i] for i in _pick(text, step, text_per_step, cfg.seed + 1)]
         features, greedy, teacher = target_pass(target, seqs, layer_ids, teacher_ids)
         rng = random.Random(cfg.seed * 1000003 + step)
-        blocks = [sample_blocks(s, label_counts(s.tokens, g, cfg.block_size), cfg.block_positions, rng)
-                  for s, g in zip(seqs, greedy)]
+        blocks = [sample_blocks(s, label_counts(s.tokens, g, cfg.block_size), cfg.block_positions, rng,
+                                cfg.block_widths) for s, g in zip(seqs, greedy)]
         batch = pack(seqs, features, greedy, blocks, cfg.mask_token_id, cfg.gamma, head.vocab, teacher)
         return batch, sum(len(s.tokens) for s in seqs)
 

@@ -4,7 +4,7 @@ only its own sequence's context before its anchor (and, in DFlash 2, only its ow
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -64,17 +64,20 @@ class PackedContext:
         return out.transpose(1, 0, 2, 3).reshape(1, H, S * Q, D)
 
 
-def sample_blocks(seq, counts: np.ndarray, budget: int, rng: random.Random) -> list[tuple[int, int]]:
-    """Random (anchor, labelled positions) pairs whose blocks fill at most `budget` positions."""
+def sample_blocks(seq, counts: np.ndarray, budget: int, rng: random.Random,
+                  widths: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+    """Random (anchor, labelled positions) pairs whose blocks fill at most `budget` positions.
+    With `widths`, each block is cut to a verify width drawn from them (the block [anchor,
+    MASK x (w-1)] the loop drafts at width w), so the budget holds more, shorter blocks."""
     anchors = list(range(seq.first_anchor, len(seq.tokens)))
     rng.shuffle(anchors)
     blocks, used = [], 0
     for a in anchors:
-        size = 1 + int(counts[a])
-        if used + size > budget:
+        labels = int(counts[a]) if widths is None else min(int(counts[a]), rng.choice(widths) - 1)
+        if used + 1 + labels > budget:
             continue
-        blocks.append((a, int(counts[a])))
-        used += size
+        blocks.append((a, labels))
+        used += 1 + labels
     return sorted(blocks)
 
 
