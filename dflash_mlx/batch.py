@@ -1,7 +1,9 @@
 """Several requests decoded together: one target pass per step for all of them.
 
-    join    a request's prompt is prefilled alone, one chunk per step (the running rows
-            keep decoding in between), then its caches are merged into the batch
+    join    the waiting prompts are prefilled together, one chunk each per step in one
+            target pass (the running rows keep decoding in between), all but their last
+            token; then their caches are merged into the batch, the last token being their
+            first step's block
     step    every row proposes for a shared width w (its drafter context, or its prompt
             lookup; the rows drafting at one width share one drafter pass), one target
             pass verifies B x w tokens, each row accepts its own
@@ -27,7 +29,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from .adaptive import PLAIN, AcceptanceEstimate, Plan, StepTimes
-from .engine import DecodeStats, DFlashModel, Sequence, draft_rows, prefill_steps
+from .engine import PREFILL_STEP, DecodeStats, DFlashModel, Sequence, tree_arrays, draft_rows, restore_prefix
 from .grammar import Grammar, masked
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, accept, choose
@@ -40,13 +42,12 @@ class Row:
 
     uid: int
     seq: Sequence
+    prompt: list[int]
     max_tokens: int
     block: int  # its widest verify (its block size; 1 without a drafter)
     adaptive: bool  # its width follows the batch's plan (no block size asked for)
-    tcache: Optional[TargetCache]  # its own cache, until it joins the batch
-    filling: Optional[Iterator]  # its prefill, one chunk per step
-    most_tokens: int  # prompt + max_tokens: the longest it can grow
-    token: int = -1  # the last committed token
+    unfilled: list[int] = field(default_factory=list)  # prompt tokens still to prefill (all but the last)
+    token: int = -1  # the last committed token (the prompt's last, until its first step)
     produced: int = 0
     estimates: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate
 
@@ -58,6 +59,11 @@ class Row:
     def left(self) -> int:
         return self.max_tokens - self.produced
 
+    @property
+    def most_tokens(self) -> int:
+        """Prompt + max_tokens: the longest it can grow."""
+        return len(self.prompt) + self.max_tokens
+
 
 @dataclass
 class BatchStep:
@@ -65,7 +71,27 @@ class BatchStep:
 
     size: int
     width: int
-    steps: dict  # uid -> Step (a joining row's first token included)
+    steps: dict  # uid -> Step
+
+
+def _joined(batch: Optional[BatchTargetCache], caches: list[TargetCache]) -> BatchTargetCache:
+    """`batch` with rows holding `caches` appended (a new batch when there is none)."""
+    rows = BatchTargetCache(caches)
+    if batch is None:
+        return rows
+    batch.extend(rows)
+    return batch
+
+
+def _without(rows: list[Row], batch: Optional[BatchTargetCache], uids) -> tuple[list[Row], Optional[BatchTargetCache]]:
+    """`rows` and their batch cache with the rows of `uids` dropped."""
+    kept = [i for i, row in enumerate(rows) if row.uid not in uids]
+    if len(kept) == len(rows):
+        return rows, batch
+    if not kept:
+        return [], None
+    batch.keep_rows(kept)
+    return [rows[i] for i in kept], batch
 
 
 class BatchDecoder:
@@ -79,14 +105,16 @@ class BatchDecoder:
         self.model, self.prompt_cache = model, prompt_cache
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.rows: list[Row] = []  # decoding, in the batch cache's row order
-        self.joining: list[Row] = []  # waiting for (or in) their prefill
         self.cache: Optional[BatchTargetCache] = None
+        self.filling: list[Row] = []  # prefilling together, in the fill cache's row order
+        self.fill_cache: Optional[BatchTargetCache] = None
+        self.waiting: list[Row] = []  # queued until there is room
         self.step_times = model.chooser.step_times if model.chooser is not None else StepTimes()
         self._next_uid = 0
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows or self.joining)
+        return bool(self.rows or self.filling or self.waiting)
 
     def add(self, prompt: mx.array, params: SamplingParams, max_tokens: int, block_size: Optional[int] = None,
             seed: Optional[int] = None, logprobs: Optional[int] = None, grammar: Optional[Grammar] = None,
@@ -98,33 +126,26 @@ class BatchDecoder:
         stats = stats if stats is not None else DecodeStats()
         stats.block_size = block
         seq = Sequence(model, prompt, params, seed, stats, adaptive, logprobs, grammar)
-        tcache = model.target.make_cache()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
-        row = Row(uid, seq, max_tokens, block, adaptive, tcache,
-                  prefill_steps(model, prompt, tcache, seq.context, self.prompt_cache, stats), prompt.size + max_tokens)
-        self.joining.append(row)
+        self.waiting.append(Row(uid, seq, prompt.tolist(), max_tokens, block, adaptive))
         return uid
 
     def remove(self, *uids: int) -> None:
         """Drop requests (finished, stopped or cancelled); their rows are freed before the next step."""
-        self.joining = [row for row in self.joining if row.uid not in uids]
-        kept = [i for i, row in enumerate(self.rows) if row.uid not in uids]
-        if len(kept) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in kept]
-        if not kept:
-            self.cache = None
+        self.waiting = [row for row in self.waiting if row.uid not in uids]
+        self.filling, self.fill_cache = _without(self.filling, self.fill_cache, uids)
+        decoding = bool(self.rows)
+        self.rows, self.cache = _without(self.rows, self.cache, uids)
+        if decoding and not self.rows:
             self.step_times.flush()  # idle: keep what this batch learnt for the next process
-        else:
-            self.cache.keep_rows(kept)
 
     def step(self) -> BatchStep:
-        """One prefill chunk of the first joining request (when there is room), then one decode
-        step of the batch.  Rows that reach their max_tokens leave by themselves."""
-        steps = {}
-        if self.joining and self._room_for(self.joining[0]):
-            steps.update(self._fill(self.joining[0]))
-        size, width = len(self.rows), 0
+        """One prefill chunk of the requests joining (those with room start theirs), then one
+        decode step of the batch.  Rows that reach their max_tokens leave by themselves."""
+        self._admit()
+        if self.filling:
+            self._fill()
+        steps, size, width = {}, len(self.rows), 0
         if self.rows:
             width = self._decode(steps)
         self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
@@ -132,36 +153,64 @@ class BatchDecoder:
 
     # ------------------------------------------------------------ joining
 
-    def _room_for(self, row: Row) -> bool:
-        """Whether the first joining request may prefill its next chunk (first come, first
-        served: a long request waits for room instead of being overtaken for ever)."""
-        if len(self.rows) >= self.max_batch:
-            return False
-        if not self.rows or self.max_batch_tokens is None:
-            return True
-        longest = max(self.cache.width + max(r.left for r in self.rows), row.most_tokens)
-        return (len(self.rows) + 1) * longest <= self.max_batch_tokens
-
-    def _fill(self, row: Row) -> dict:
-        tic = time.perf_counter()
-        logits = next(row.filling)
-        row.stats.prompt_seconds += time.perf_counter() - tic
-        if logits is None:
-            return {}
-        row.filling = None
-        self.joining.remove(row)
-        token = choose(masked(logits, row.seq.allowed_next()), row.seq.params, row.seq.noise_at(0)).item()
-        row.token, row.produced = token, 1
-        step = row.seq.step([token], 0, logits[None])
-        if row.left > 0:
-            joined = BatchTargetCache([row.tcache])
-            if self.cache is None:
-                self.cache = joined
+    def _admit(self) -> None:
+        """Waiting requests start their prefill (first come, first served: a long request waits
+        for room instead of being overtaken for ever) from the longest prefix the prompt cache
+        holds; one with nothing left to prefill joins the decoding batch at once."""
+        while self.waiting and self._room_for(self.waiting[0]):
+            row = self.waiting.pop(0)
+            tcache, start = restore_prefix(self.model, row.prompt, row.seq.context, self.prompt_cache, row.stats)
+            row.unfilled = row.prompt[start:-1]
+            if row.unfilled:
+                self.filling.append(row)
+                self.fill_cache = _joined(self.fill_cache, [tcache])
             else:
-                self.cache.extend(joined)
-            row.tcache = None
-            self.rows.append(row)
-        return {row.uid: step}
+                self._enter([row], [tcache])
+
+    def _room_for(self, row: Row) -> bool:
+        others = self.rows + self.filling
+        if len(others) >= self.max_batch:
+            return False
+        if not others or self.max_batch_tokens is None:
+            return True
+        longest = max([row.most_tokens] + [r.most_tokens for r in self.filling]
+                      + ([self.cache.width + max(r.left for r in self.rows)] if self.rows else []))
+        return (len(others) + 1) * longest <= self.max_batch_tokens
+
+    def _fill(self) -> None:
+        """The next chunk of every filling row's prompt, in one target pass (right-padded to the
+        longest chunk, PREFILL_STEP tokens in all, so the running rows wait for one chunk's pass
+        only); the rows whose prompt is in join the decoding batch."""
+        rows, tic = self.filling, time.perf_counter()
+        span = max(PREFILL_STEP // len(rows), 1)
+        chunks = [row.unfilled[:span] for row in rows]
+        lengths = [len(chunk) for chunk in chunks]
+        tokens = mx.array([chunk + [0] * (max(lengths) - len(chunk)) for chunk in chunks])
+        self.fill_cache.pad_right(lengths)
+        _, features = self.model.target(tokens, self.fill_cache, self.model.feature_layers, logits_for_last_only=True)
+        self.fill_cache.finalize()
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            row.seq.context.add(None if features is None else features[i : i + 1, :n])
+            row.unfilled = row.unfilled[n:]
+        mx.eval(tree_arrays([c.state for c in self.fill_cache.layers]),
+                tree_arrays([c.state for row in rows for c in row.seq.context.flush() or []]))
+        seconds = time.perf_counter() - tic
+        for row in rows:
+            row.stats.prompt_seconds += seconds
+        done = [i for i, row in enumerate(rows) if not row.unfilled]
+        if done:
+            self._enter([rows[i] for i in done], [self.fill_cache.extract(i) for i in done])
+            self.filling, self.fill_cache = _without(rows, self.fill_cache, {rows[i].uid for i in done})
+
+    def _enter(self, rows: list[Row], tcaches: list[TargetCache]) -> None:
+        """Rows holding all of their prompt but its last token join the decoding batch (the last
+        token is their first step's, as in a decode step); what was prefilled is kept for reuse."""
+        for row, tcache in zip(rows, tcaches):
+            if self.prompt_cache is not None and row.stats.cached_tokens < len(row.prompt) - 1:
+                self.prompt_cache.store(row.prompt[:-1], tcache, row.seq.context.flush())
+            row.token = row.prompt[-1]
+        self.cache = _joined(self.cache, tcaches)
+        self.rows += rows
 
     # ------------------------------------------------------------ decoding
 
@@ -196,8 +245,7 @@ class BatchDecoder:
             stats.accepted_lengths.append(len(committed))
             stats.widths.append(plan.width)
             stats.sources.append(plan.source)
-            step = row.seq.step(committed, n, logits[i, : n + 1])
-            steps[row.uid] = steps[row.uid].then(step) if row.uid in steps else step  # joined this step
+            steps[row.uid] = row.seq.step(committed, n, logits[i, : n + 1])
         if width > 1:
             self.cache.rollback(keeps)
         seconds = time.perf_counter() - started

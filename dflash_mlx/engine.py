@@ -92,11 +92,6 @@ class Step:
     accepted: int  # how many of them were draft tokens
     logprobs: Optional[list[TokenLogprob]] = None  # per token, when asked for
 
-    def then(self, later: "Step") -> "Step":
-        """This step followed by `later`, as one."""
-        logprobs = None if self.logprobs is None else self.logprobs + later.logprobs
-        return Step(self.tokens + later.tokens, self.accepted + later.accepted, logprobs)
-
 
 class Context:
     """The drafter's cache of injected target features, plus the features of
@@ -167,44 +162,43 @@ def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: 
         chunk = prompt[None, start : start + PREFILL_STEP]
         logits, features = model.target(chunk, tcache, layers, logits_for_last_only=True)
         context.add(features)
-        mx.eval(logits, _arrays([c.state for c in tcache.layers]), _arrays([c.state for c in context.flush() or []]))
+        mx.eval(logits, tree_arrays([c.state for c in tcache.layers]), tree_arrays([c.state for c in context.flush() or []]))
         if start + PREFILL_STEP < prompt.size:
             mx.clear_cache()
         yield logits[0, -1]
 
 
-def prefill_steps(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context,
-                  prompt_cache: Optional[PromptCache], stats: DecodeStats) -> Iterator[Optional[mx.array]]:
+def restore_prefix(model: DFlashModel, tokens: list[int], context: Context, prompt_cache: Optional[PromptCache],
+                   stats: DecodeStats) -> tuple[TargetCache, int]:
+    """A target cache holding the longest prefix of `tokens` that `prompt_cache` has (its
+    drafter context restored into `context`) and that prefix's length; without one, a fresh
+    cache and 0."""
+    if prompt_cache is not None and (hit := prompt_cache.fetch(tokens)) is not None:
+        tcache, context.cache, start = hit
+    else:
+        tcache, start = model.target.make_cache(), 0
+    stats.cached_tokens = start
+    return tcache, start
+
+
+def prefill_prompt(model: DFlashModel, prompt: mx.array, context: Context, prompt_cache: Optional[PromptCache],
+                   stats: DecodeStats) -> tuple[TargetCache, mx.array]:
     """Prefill all but the last prompt token, then the last one alone (as mlx-lm does), so
     a prompt gives the same logits whether or not `prompt_cache` held its prefix: the
     longest stored prefix is restored, and the state before the last token is stored.
-    One chunk per iteration (a batch runs its decode steps in between): None, and at the
-    end the last position's logits."""
+    The target cache and the last position's logits."""
     tokens = prompt.tolist()
-    start = 0
-    hit = prompt_cache.fetch(tokens) if prompt_cache is not None else None
-    if hit is not None:
-        restored, restored_context, start = hit
-        tcache.layers[:], tcache.handlers[:] = restored.layers, restored.handlers
-        context.cache = restored_context
-    stats.cached_tokens = start
+    tcache, start = restore_prefix(model, tokens, context, prompt_cache, stats)
     if len(tokens) - 1 > start:
         for _ in prefill(model, prompt[start:-1], tcache, context):
-            yield None
+            pass
         if prompt_cache is not None:
             prompt_cache.store(tokens[:-1], tcache, context.flush())
-    yield from prefill(model, prompt[-1:], tcache, context)
+    *_, logits = prefill(model, prompt[-1:], tcache, context)
+    return tcache, logits
 
 
-def prefill_prompt(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context,
-                   prompt_cache: Optional[PromptCache], stats: DecodeStats) -> mx.array:
-    """prefill_steps all at once: the last position's logits."""
-    for logits in prefill_steps(model, prompt, tcache, context, prompt_cache, stats):
-        pass
-    return logits
-
-
-def _arrays(tree) -> list[mx.array]:
+def tree_arrays(tree) -> list[mx.array]:
     return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
 
 
@@ -267,7 +261,6 @@ def decode(
     width = 1 if model.draft is None else (block_size or model.draft.block_size)
     stats = stats if stats is not None else DecodeStats()
     stats.block_size = width
-    tcache = model.target.make_cache()
     seq = Sequence(model, prompt, params, seed, stats, adaptive, logprobs, grammar)
     if adaptive:
         model.chooser.start()
@@ -278,7 +271,7 @@ def decode(
         return Plan(min(width, limit), "dflash") if min(width, limit) > 1 else PLAIN
 
     tic = time.perf_counter()
-    logits = prefill_prompt(model, prompt, tcache, seq.context, prompt_cache, stats)
+    tcache, logits = prefill_prompt(model, prompt, seq.context, prompt_cache, stats)
     token = choose(masked(logits, seq.allowed_next()), params, seq.noise_at(0))
     token = mx.array(token.item())
     stats.prompt_seconds = time.perf_counter() - tic

@@ -30,8 +30,9 @@ from .rollback import BatchRotatingKV, BatchTrimmableKV, GatedDeltaState, Unsupp
 class TargetCache:
     """The target's per-layer mlx-lm caches plus their rollback handlers."""
 
-    def __init__(self, model: nn.Module):
-        self.layers = make_prompt_cache(model)
+    def __init__(self, model: nn.Module = None, layers: list = None):
+        """A fresh cache for `model`, or one holding `layers` (a batch row's, extracted)."""
+        self.layers = layers if layers is not None else make_prompt_cache(model)
         self.handlers = [checkpointed(c) for c in self.layers]
 
     @property
@@ -80,6 +81,21 @@ class BatchTargetCache:
         """Append `other`'s rows (after this batch's)."""
         for cache, more in zip(self.layers, other.layers):
             cache.extend(more)
+
+    def extract(self, row: int) -> TargetCache:
+        """Row `row`'s caches alone, without the batch's padding."""
+        return TargetCache(layers=[cache.extract(row) for cache in self.layers])
+
+    def pad_right(self, lengths: list[int]):
+        """The next pass's rows are right-padded to its longest; finalize() after it moves each
+        row's padding to its left, where the batch keeps padding (mlx-lm's batched prefill)."""
+        longest = max(lengths)
+        for cache in self.layers:
+            cache.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
+
+    def finalize(self):
+        for cache in self.layers:
+            cache.finalize()
 
     def keep_rows(self, rows: list[int]):
         """Drop every row not in `rows` (the common left padding goes with them)."""

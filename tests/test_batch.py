@@ -8,12 +8,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchRotatingKVCache
 
-from dflash_mlx import engine
+from dflash_mlx import batch, engine
 from dflash_mlx.adaptive import CostModel, StepTimes, WidthChooser
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
 from dflash_mlx.batch import BatchDecoder
 from dflash_mlx.drafters.dflash import ContextRows
 from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.prompt_cache import PromptCache
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import BatchTargetCache
 from test_engine import MODEL_TYPES, PROMPTS, plain_greedy
@@ -128,7 +129,7 @@ def test_rows_keep_different_lengths_in_one_step():
 def test_rows_join_and_leave_mid_decode(monkeypatch):
     """Prompts prefilled in chunks while others decode; rows leave at max_tokens 1 / 7, one is
     cancelled, one joins late; every output stays exact and the padding goes with the rows."""
-    monkeypatch.setattr(engine, "PREFILL_STEP", 4)
+    monkeypatch.setattr(batch, "PREFILL_STEP", 8)  # 8 tokens a pass: with 2 prompts filling, 4 each
     target = tiny_target("qwen3_5", seed=2)
     prompts = PROMPTS + [list(range(70, 83))]
     oracle, references = oracle_for(target, prompts, 40)
@@ -157,13 +158,81 @@ def test_rows_join_and_leave_mid_decode(monkeypatch):
     assert not decoder.busy and decoder.cache is None
 
 
+class Recording:
+    """A target that notes the shape of every prefill pass (the logits of the last position only)."""
+
+    def __init__(self, target):
+        self.target, self.prefills = target, []
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, tokens, *args, **kwargs):
+        if kwargs.get("logits_for_last_only"):
+            self.prefills.append(tuple(tokens.shape))
+        return self.target(tokens, *args, **kwargs)
+
+
+@pytest.mark.parametrize("model_type, overrides", [(family, {}) for family in BATCH_FAMILIES] + [
+    ("llama", {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2})])
+def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypatch):
+    """Prompts waiting at once are prefilled in one pass per chunk (40 tokens a pass, shared by
+    the rows filling, right-padded to the longest); each joins the decoding batch as soon as all
+    of its prompt but the last token is in, while the longer ones fill beside it; a one-token
+    prompt joins at once.  Every output exact."""
+    monkeypatch.setattr(batch, "PREFILL_STEP", 40)
+    target = tiny_target(model_type, seed=2, **overrides)
+    prompts = PROMPTS + [[77], [(7 * i) % 90 + 1 for i in range(40)]]  # 8, 3, 30, 1 and 40 tokens
+    oracle, references = oracle_for(target, prompts, 12)
+    recording = Recording(target)
+    decoder = BatchDecoder(DFlashModel(recording, oracle))
+    uids = [decoder.add(mx.array(p), SamplingParams(), 12) for p in prompts]
+    out, sizes = {}, []
+    while decoder.busy:
+        step = decoder.step()
+        sizes.append(step.size)
+        for uid, s in step.steps.items():
+            out.setdefault(uid, []).extend(s.tokens)
+    assert recording.prefills == [(4, 10), (2, 20), (1, 9)]  # 4 rows x 10, the 30 and 40 ones x 20, the 40 one's last 9
+    assert sizes[:3] == [3, 4, 5]
+    for uid, prompt, reference in zip(uids, prompts, references):
+        assert out[uid] == reference[len(prompt): len(prompt) + 12], (model_type, len(prompt))
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", {}), ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    ("qwen3_5", {})])
+def test_prefixes_are_reused_by_requests_filling_together(model_type, overrides):
+    """Prompts prefilled together store their prefixes; the next wave restores them (one in full,
+    joining at once) beside a prompt filling from scratch, and decode() alone restores what the
+    batch stored: every output as cold."""
+    target = tiny_target(model_type, seed=2, **overrides)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    system = list(range(30, 70))
+    first, second = [system + [5, 6, 7], system + [1, 2]], [system + [5, 6, 7, 8, 9], system + [1, 2], [3, 4, 5, 6]]
+    cache = PromptCache()
+    for wave, hits in ((first, [0, 0]), (second, [len(first[0]) - 1, len(first[1]) - 1, 0])):
+        decoder = BatchDecoder(model, prompt_cache=cache)
+        stats = [DecodeStats() for _ in wave]
+        uids = [decoder.add(mx.array(p), SamplingParams(), 16, stats=s) for p, s in zip(wave, stats)]
+        out = run(decoder)
+        for uid, prompt in zip(uids, wave):
+            assert out[uid] == [t for s in decode(model, mx.array(prompt), SamplingParams(), 16) for t in s.tokens]
+        assert [s.cached_tokens for s in stats] == hits
+    alone = DecodeStats()
+    warm = [t for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16, stats=alone, prompt_cache=cache)
+            for t in s.tokens]
+    assert alone.cached_tokens == len(second[0]) - 1
+    assert warm == [t for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16) for t in s.tokens]
+
+
 def test_padding_is_dropped_when_rows_leave():
     target = tiny_target("llama", seed=2)
     decoder = BatchDecoder(DFlashModel(target, random_draft(target, block_size=4)))
     short = decoder.add(mx.array(PROMPTS[1]), SamplingParams(), 30)
     long = decoder.add(mx.array(PROMPTS[2]), SamplingParams(), 6)
     sizes = []
-    while any(row.uid == long for row in decoder.rows + decoder.joining):
+    while any(row.uid == long for row in decoder.rows + decoder.filling + decoder.waiting):
         sizes.append(decoder.step().size)
     assert max(sizes) == 2 and [row.uid for row in decoder.rows] == [short]
     layer = decoder.cache.layers[0]
@@ -332,7 +401,7 @@ def test_rows_drafting_together_pay_for_one_drafter_pass():
     decoder = BatchDecoder(DFlashModel(target, oracle, chooser=WidthChooser(cost, max_width=2, prior=0.5)))
     for prompt in PROMPTS:
         decoder.add(mx.array(prompt), SamplingParams(), 30)
-    while decoder.joining:
+    while decoder.filling or decoder.waiting:
         decoder.step()
     decoder.step_times = StepTimes()  # judged by the curve alone
     plans = decoder._plan()
