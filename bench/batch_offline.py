@@ -100,12 +100,12 @@ def main():
 
     from dflash_mlx.api import format_prompt, load
     from dflash_mlx.bench.harness import machine
-    from dflash_mlx.bench.prompt_sets import load_prompts
+    from dflash_mlx.bench.prompt_sets import mixed_prompts
 
     levels = [int(c) for c in args.clients.split(",")]
     model, tokenizer = load(None)
-    texts = (load_prompts("mtbench") + load_prompts("gsm8k") + load_prompts("humaneval"))
-    prompts = [list(format_prompt(tokenizer, text)) for text in texts[: max(levels) * args.requests]]
+    texts = mixed_prompts(["mtbench", "gsm8k", "humaneval"], max(levels) * args.requests)
+    prompts = [list(format_prompt(tokenizer, text)) for text in texts]
     generators = {"mlx-lm": Theirs(model, tokenizer, args.max_batch), "ours": Ours(model, tokenizer, args.max_batch)}
     if args.plain:
         generators["ours, plain"] = Ours(model, tokenizer, args.max_batch, plain=True)

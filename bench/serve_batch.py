@@ -124,14 +124,14 @@ def main():
 
     import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
     from dflash_mlx.api import format_prompt, generate, load
-    from dflash_mlx.bench.prompt_sets import load_prompts
+    from dflash_mlx.bench.prompt_sets import mixed_prompts
     from dflash_mlx.convert.smollm2 import smollm2_path
 
     levels = [int(c) for c in args.clients.split(",")]
     lengths = [int(n) for n in args.max_tokens.split(",")]
     modes = args.modes.split(",")
     most = max(levels) * args.requests
-    prompts = (load_prompts("mtbench") + load_prompts("gsm8k") + load_prompts("humaneval"))[:most]
+    prompts = mixed_prompts(["mtbench", "gsm8k", "humaneval"], most)
     model, tokenizer = load(None)
     (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), args.max_batch)
     rows = []

@@ -468,3 +468,29 @@ def test_a_stop_string_ends_one_row_and_the_others_go_on(tiny_dirs):
                 finish[uid] = response.finish_reason
     assert finish[uids[0]] == "stop" and texts[uids[0]] == generate(model, tokenizer, prompts[0], 24, stop=[stop])
     assert [texts[u] for u in uids[1:]] == alone[1:] and after > 0  # the others decoded on after it left
+
+
+def test_memory_returns_to_its_baseline_after_a_load():
+    """Three waves of requests joining, filling together, one cancelled mid-prefill and one
+    mid-decode: once the batch is empty, the memory in use is back where it was."""
+    target = tiny_target("qwen3_5", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    decoder = BatchDecoder(model, max_batch=4)
+
+    def wave(k: int) -> None:
+        uids = [decoder.add(mx.array(p * (k + 1)), SamplingParams(), 24) for p in PROMPTS + PROMPTS]
+        decoder.step()
+        decoder.remove(uids[2])  # still filling (30 x (k + 1) prompt tokens)
+        for _ in range(3):
+            decoder.step()
+        decoder.remove(uids[0])  # decoding
+        run(decoder)
+
+    wave(0)  # first-call allocations are not a leak
+    mx.clear_cache()
+    baseline = mx.get_active_memory()
+    for k in range(3):
+        wave(k)
+    assert not decoder.busy and decoder.cache is None and decoder.fill_cache is None
+    mx.clear_cache()
+    assert mx.get_active_memory() <= baseline + 64 * 1024

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from dflash_mlx.bench.prompt_sets import BOXED, SETS, load_prompts
+from dflash_mlx.bench.prompt_sets import BOXED, SETS, load_prompts, mixed_prompts
 from dflash_mlx.train.prompts import builtin_prompts, read_prompts
 
 SHINGLE = 8  # words
@@ -67,3 +67,11 @@ def test_the_target_writes_prompts_itself(smollm2, tmp_path):
     assert len(prompts) == 5 and len(set(prompts)) == 5
     assert all(keep(p, set(), banned) for p in prompts)
     assert read_prompts(str(out)) == prompts  # what make-data --prompts reads
+
+
+def test_mixed_prompts_take_the_sets_in_turn():
+    sets = [load_prompts(name) for name in ("mtbench", "gsm8k", "humaneval")]
+    mixed = mixed_prompts(["mtbench", "gsm8k", "humaneval"], 7)
+    assert mixed == [sets[0][0], sets[1][0], sets[2][0], sets[0][1], sets[1][1], sets[2][1], sets[0][2]]
+    with pytest.raises(ValueError, match="asked for"):
+        mixed_prompts(["aime"], 10**6)

