@@ -147,3 +147,25 @@ def test_dflash2_drafts_match_zlab(model_type, layer_types, tmp_path, monkeypatc
         assert path.tolist() == expected[0].tolist()
         overruled += path.tolist() != np.argmax(a[0], axis=-1).tolist()
     assert overruled  # the selector's edge term really chose, so this comparison could fail
+
+
+def test_the_shipped_drafter_in_float_loads_in_zlab_code(smollm2_dir, tmp_path, monkeypatch):
+    """The drafter we ship (8-bit), expanded to float32 by `convert draft`, is read by z-lab's
+    loader and drafts the block logits ours drafts, on SmolLM2's own features."""
+    import mlx_lm
+
+    from dflash_mlx.convert.models import convert_draft
+    from dflash_mlx.registry import DEFAULT_DRAFT
+    from dflash_mlx.target import Target
+
+    folder = convert_draft(str(DEFAULT_DRAFT), tmp_path / "float", dtype="float32", show_progress=False)
+    (folder / "draft_vocab.json").unlink(missing_ok=True)  # ours would draft over its restricted vocabulary
+    target = Target(mlx_lm.load(str(smollm2_dir))[0])
+    ours = load_draft(folder, dtype=mx.float32).bind(target)
+    theirs = zlab_drafter(folder, target, monkeypatch)
+    prompt = mx.array([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2, 198, 1, 4093, 198]])
+    features = target(prompt, target.make_cache(), ours.target_layer_ids)[1]
+    for anchor in (28, 1694, 314):
+        block = mx.array([[anchor] + [ours.mask_token_id] * 7])
+        a, b = block_logits_ours(ours, features, block), block_logits_theirs(theirs, features, block)
+        assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
