@@ -44,3 +44,13 @@ def test_harness_writes_results_tables_and_plots(tmp_path, monkeypatch):
 def test_bench_cli_rejects_bad_modes():
     result = CliRunner().invoke(app, ["bench", "--modes", "fast"])
     assert result.exit_code == 1 and "--modes" in result.output
+
+
+def test_held_out_taus_count_tokens_from_a_restart(tmp_path):
+    from dflash_mlx.bench.plots import held_out_taus, tau_curves
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text('{"step": 1, "tokens_seen": 100, "loss": 3.0}\n{"step": 2, "tokens_seen": 200, "tau": 1.5}\n')
+    assert held_out_taus(log, tokens_before=1000) == [(1200, 1.5)]
+    png = tau_curves({"a": [(0, 1.0), (1200, 1.5)]}, tmp_path / "curve.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"

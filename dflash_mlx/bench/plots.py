@@ -45,6 +45,24 @@ def training_curve(log_file, png, smooth: int = 20) -> Path:
     return _save(fig, Path(png))
 
 
+def held_out_taus(log_file, tokens_before: int = 0) -> list[tuple[int, float]]:
+    """(target tokens seen, held-out tau) of a training log, its tokens counted from `tokens_before`
+    (a warm restart's log counts from 0)."""
+    rows = [json.loads(line) for line in Path(log_file).read_text().splitlines() if line.strip()]
+    return [(tokens_before + r["tokens_seen"], r["tau"]) for r in rows if "tau" in r]
+
+
+def tau_curves(curves: dict, png, title: str = "held-out tau") -> Path:
+    """Held-out tau against target tokens seen, one line per recipe: {label: [(tokens, tau), ...]}."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in curves.items():
+        ax.plot([t for t, _ in points], [tau for _, tau in points], "o-", label=label)
+    ax.set(xlabel="target tokens seen", ylabel="tau (tokens / cycle)", title=title)
+    ax.legend()
+    return _save(fig, Path(png))
+
+
 def bench_plots(results: dict, out_dir) -> list[Path]:
     """speedup.png (per set and mode), acceptance.png (accepted-length histogram),
     tps_vs_length.png (tok/s against output length, both decoders)."""
