@@ -24,7 +24,7 @@ to its own kept prefix.
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
 import mlx.core as mx
 

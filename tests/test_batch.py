@@ -470,9 +470,10 @@ def test_a_stop_string_ends_one_row_and_the_others_go_on(tiny_dirs):
     assert [texts[u] for u in uids[1:]] == alone[1:] and after > 0  # the others decoded on after it left
 
 
-def test_memory_returns_to_its_baseline_after_a_load():
+def test_memory_returns_to_its_baseline_after_a_load(monkeypatch):
     """Three waves of requests joining, filling together, one cancelled mid-prefill and one
     mid-decode: once the batch is empty, the memory in use is back where it was."""
+    monkeypatch.setattr(batch, "PREFILL_STEP", 16)  # 4 rows filling: 4 tokens each a step
     target = tiny_target("qwen3_5", seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
     decoder = BatchDecoder(model, max_batch=4)
@@ -480,8 +481,9 @@ def test_memory_returns_to_its_baseline_after_a_load():
     def wave(k: int) -> None:
         uids = [decoder.add(mx.array(p * (k + 1)), SamplingParams(), 24) for p in PROMPTS + PROMPTS]
         decoder.step()
-        decoder.remove(uids[2])  # still filling (30 x (k + 1) prompt tokens)
-        for _ in range(3):
+        assert uids[2] in [row.uid for row in decoder.filling]  # 30 x (k + 1) prompt tokens
+        decoder.remove(uids[2])
+        while uids[0] not in [row.uid for row in decoder.rows]:
             decoder.step()
         decoder.remove(uids[0])  # decoding
         run(decoder)

@@ -15,10 +15,14 @@ def _pyplot():
     return plt
 
 
+def _log_rows(log_file) -> list[dict]:
+    return [json.loads(line) for line in Path(log_file).read_text().splitlines() if line.strip()]
+
+
 def training_curve(log_file, png, smooth: int = 20) -> Path:
     """Loss and block accuracy per step, with held-out tau where it was measured."""
     plt = _pyplot()
-    rows = [json.loads(line) for line in Path(log_file).read_text().splitlines() if line.strip()]
+    rows = _log_rows(log_file)
     steps = [r for r in rows if "loss" in r]
     taus = [r for r in rows if "tau" in r]
 
@@ -48,8 +52,7 @@ def training_curve(log_file, png, smooth: int = 20) -> Path:
 def held_out_taus(log_file, tokens_before: int = 0) -> list[tuple[int, float]]:
     """(target tokens seen, held-out tau) of a training log, its tokens counted from `tokens_before`
     (a warm restart's log counts from 0)."""
-    rows = [json.loads(line) for line in Path(log_file).read_text().splitlines() if line.strip()]
-    return [(tokens_before + r["tokens_seen"], r["tau"]) for r in rows if "tau" in r]
+    return [(tokens_before + r["tokens_seen"], r["tau"]) for r in _log_rows(log_file) if "tau" in r]
 
 
 def tau_curves(curves: dict, png, title: str = "held-out tau") -> Path:
