@@ -36,7 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import median
+from statistics import median, median_low
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -198,11 +198,14 @@ class StepTimes:
     The curve times one row at a short context and is extrapolated past its widest probe; a
     batch step attends over B contexts of any length and verifies B x w tokens (measured here:
     8 rows x 9 tokens took 2.5x the extrapolated curve, 8 rows x 1 token 1.3x).  Each step's wall
-    time teaches the ratio of its shape.  A shape not run yet takes the ratio of a run one of as
-    many tokens (rows x width), else is interpolated in log tokens between the run shapes around
-    it, else takes the nearest one's.  A plain step (width 1) is judged only by plain steps run,
-    and trusts the curve (ratio 1) until one has: otherwise dear verify steps would keep the
-    batch from ever trying the plain step that costs less.
+    time teaches the ratio of its shape: the lower median of its last `window` steps (timing
+    noise is one-sided: a stall, a collection or another process only ever adds time).  A verify
+    shape not run yet takes the ratio of a run one of as many tokens (rows x width), else is
+    interpolated in log tokens between the run shapes around it, else takes the nearest one's.
+    A plain step (width 1) is judged only by plain steps run, and one of a batch size not run
+    yet by the cheapest of them (the curve, ratio 1, until one has): the plain step is the floor
+    the batch falls back to, and judged dear before it ran it would never run and never be
+    corrected (traced: 8 rows x 1 token never tried, 8 x 2 run instead at 0.7x its tokens/s).
 
     With a `store` (a file beside the machine's cost curve), what the steps taught is kept every
     `save_every` steps and read back by the next process, so a fresh server does not pay again
@@ -212,8 +215,6 @@ class StepTimes:
                  save_every: int = 50):
         self.window = window
         self.seen: dict[tuple[int, int], deque] = {}  # shape -> its last `window` ratios
-        # A run shape's ratio is the median of its last steps: a stalled step (GC, another
-        # process) moves it by one rank, not by its size.
         self.ratios: dict[tuple[int, int], float] = {}
         self.store, self.basis, self.save_every = store, list(basis), save_every
         self._unsaved = 0
@@ -234,7 +235,7 @@ class StepTimes:
                         and all(isinstance(r, (int, float)) and 0 < r < 1e4 for r in ratios)):
                     raise ValueError("not a step time")
                 times.seen[rows, width] = deque(ratios[-window:], maxlen=window)
-                times.ratios[rows, width] = median(times.seen[rows, width])
+                times.ratios[rows, width] = median_low(times.seen[rows, width])
         except (ValueError, TypeError, KeyError, OSError) as e:  # truncated, foreign or from another version
             console.print(f"note: the step times in {store} are unreadable ({type(e).__name__}); learning them again",
                           style="yellow")
@@ -245,8 +246,10 @@ class StepTimes:
         ratios = self.ratios
         if (rows, width) in ratios:
             return ratios[rows, width]
+        if width == 1:
+            return min((ratio for (_, w), ratio in ratios.items() if w == 1), default=1.0)
         tokens = rows * width
-        run = [(r * w, -abs(r - rows), ratios[r, w]) for r, w in ratios if width > 1 or w == 1]
+        run = [(r * w, -abs(r - rows), ratios[r, w]) for r, w in ratios]
         if not run:
             return 1.0
         same = [shape for shape in run if shape[0] == tokens]
@@ -266,7 +269,7 @@ class StepTimes:
     def observe(self, rows: int, width: int, modelled: float, seconds: float) -> None:
         seen = self.seen.setdefault((rows, width), deque(maxlen=self.window))
         seen.append(seconds / modelled)
-        self.ratios[rows, width] = median(seen)
+        self.ratios[rows, width] = median_low(seen)
         self._unsaved += 1
         if self.store is not None and self._unsaved >= self.save_every:
             self.save()

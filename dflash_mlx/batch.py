@@ -91,7 +91,15 @@ def _without(rows: list[Row], batch: Optional[BatchTargetCache], uids) -> tuple[
     if not kept:
         return [], None
     batch.keep_rows(kept)
-    return [rows[i] for i in kept], batch
+    return [rows[i] for i in kept], _settled(batch)
+
+
+def _settled(batch: BatchTargetCache) -> BatchTargetCache:
+    """`batch` with its rows' merge or filter computed now, not in the next decode step, whose
+    time teaches StepTimes what a step of its shape costs (traced: a plain step after a join
+    timed at 8x the curve, and its shape then judged too dear to run again)."""
+    mx.eval(tree_arrays([c.state for c in batch.layers]))
+    return batch
 
 
 class BatchDecoder:
@@ -111,6 +119,8 @@ class BatchDecoder:
         self.waiting: list[Row] = []  # queued until there is room
         self.step_times = model.chooser.step_times if model.chooser is not None else StepTimes()
         self._next_uid = 0
+        self._decodes = 0  # decode steps run
+        self._plain_at: dict[int, int] = {}  # batch size -> the decode step its plain shape last ran at
 
     @property
     def busy(self) -> bool:
@@ -209,7 +219,7 @@ class BatchDecoder:
             if self.prompt_cache is not None and row.stats.cached_tokens < len(row.prompt) - 1:
                 self.prompt_cache.store(row.prompt[:-1], tcache, row.seq.context.flush())
             row.token = row.prompt[-1]
-        self.cache = _joined(self.cache, tcaches)
+        self.cache = _settled(_joined(self.cache, tcaches))
         self.rows += rows
 
     # ------------------------------------------------------------ decoding
@@ -251,6 +261,9 @@ class BatchDecoder:
         seconds = time.perf_counter() - started
         if modelled is not None:
             self.step_times.observe(len(rows), width, modelled, seconds)
+        self._decodes += 1
+        if width == 1:
+            self._plain_at[len(rows)] = self._decodes
         for row in rows:
             row.stats.decode_seconds += seconds
         return width
@@ -286,6 +299,10 @@ class BatchDecoder:
             return sums[row.uid, plan.kind][plan.width]
 
         least = max((plan.width for row, plan in zip(rows, fixed) if not row.adaptive), default=1)
+        if least == 1 and self._decodes - self._plain_at.get(len(rows), 0) >= chooser.explore_every:
+            # Re-time the plain step now and then: the figure it is judged by may be old (shorter
+            # contexts) or one bad step, and a plain shape judged too dear is otherwise never run again.
+            return [PLAIN] * len(rows)
         best, best_value = None, 0.0
         for width in range(least, chooser.max_width + 1):
             plans = [self._row_plan(row, width, match, expected) if row.adaptive else plan

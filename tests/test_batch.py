@@ -343,6 +343,11 @@ def test_step_times_learn_each_shape_and_guess_the_others():
     assert times.ratio(1, 2) == pytest.approx(1.3)  # below every run shape: the nearest
     assert 1.3 < times.ratio(4, 4) < 2.5  # between two run shapes
     assert times.ratio(8, 8) == pytest.approx(2.5)  # past them: the nearest
+    times.observe(2, 1, modelled=0.1, seconds=2.0)  # one stalled step
+    assert times.ratio(2, 1) == pytest.approx(20.0)
+    assert times.ratio(8, 1) == pytest.approx(1.3)  # a plain size not run: the cheapest plain one run
+    times.observe(2, 1, modelled=0.1, seconds=0.12)
+    assert times.ratio(2, 1) == pytest.approx(1.2)  # stalls only add time: the lower median
     times.observe(4, 1, modelled=0.1, seconds=0.11)
     times.observe(4, 1, modelled=0.1, seconds=10.0)  # a stall moves the median one rank, not 100x
     assert times.ratio(4, 1) == pytest.approx(1.3)
@@ -362,7 +367,7 @@ def test_step_times_are_kept_for_the_next_process(tmp_path, capsys):
     assert not store.exists()
     times.observe(4, 2, modelled=0.2, seconds=0.6)
     again = StepTimes.stored(store, basis=[0.1, 0.2])
-    assert again.ratios == times.ratios and again.ratio(2, 4) == pytest.approx(2.75)
+    assert again.ratios == times.ratios and again.ratio(2, 4) == pytest.approx(2.5)  # the lower median
     assert StepTimes.stored(store, basis=[0.1, 0.3]).ratios == {}  # another curve
     for junk in ('{"basis": [0.1, 0.2], "shapes": [[4, 1, ["x"]]]}', '{"basis": [0.1, 0.2], "sha'):
         store.write_text(junk)
@@ -388,6 +393,24 @@ def test_the_batch_learns_what_its_steps_really_cost():
     shapes = decode_all(BatchDecoder(model), references)
     assert any(width > 1 for _, width in shapes[:4])
     assert_settles_plain(shapes)
+
+
+def test_a_plain_step_judged_too_dear_is_timed_again():
+    """Step times kept from a bad day say the plain step is dear (10x the curve) and verifying
+    cheap; the target says otherwise (WideIsSlow).  The batch re-times its plain step every
+    `explore_every` steps, finds it cheap, and settles plain; the output stays exact."""
+    target = tiny_target("llama", seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 40)
+    times = StepTimes()
+    for rows in (1, 2, 3):
+        times.observe(rows, 1, modelled=1.0, seconds=10.0)
+        for width in range(2, 7):
+            times.observe(rows, width, modelled=1.0, seconds=0.01)
+    chooser = WidthChooser(cost_model(1.0), max_width=6, prior=0.8, explore_every=8, step_times=times)
+    shapes = decode_all(BatchDecoder(DFlashModel(WideIsSlow(target), oracle, chooser=chooser)), references, 40)
+    three = [width for size, width in shapes if size == 3]
+    first_plain = three.index(1)
+    assert first_plain <= 8 and three[first_plain:].count(1) >= 0.8 * len(three[first_plain:])
 
 
 def test_rows_drafting_together_pay_for_one_drafter_pass():
