@@ -25,6 +25,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median, quantiles
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
@@ -71,8 +72,9 @@ def start_servers(model_dir: Path, max_batch: int):
 
 
 def drive(port: int, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-          sampled: bool, seeded: bool) -> dict:
-    """`clients` threads, each sending `requests` chat requests back to back."""
+          sampled: bool, seed: Optional[int]) -> dict:
+    """`clients` threads, each sending `requests` chat requests back to back (sampled ones with
+    seed `seed` + their index, unless `seed` is None)."""
     import openai
 
     answers, latencies, tokens, errors = {}, [], [0], []
@@ -85,8 +87,8 @@ def drive(port: int, model: str, prompts: list[str], clients: int, requests: int
             extra = {}
             if sampled:
                 extra["temperature"] = TEMPERATURE
-                if seeded:
-                    extra["seed"] = index
+                if seed is not None:
+                    extra["seed"] = seed + index
             tic = time.perf_counter()
             try:
                 reply = local.chat.completions.create(model=model, max_tokens=max_tokens,
@@ -106,7 +108,7 @@ def drive(port: int, model: str, prompts: list[str], clients: int, requests: int
         list(pool.map(client, range(clients)))
     seconds = time.perf_counter() - tic
     p95 = quantiles(latencies, n=20)[-1] if len(latencies) >= 2 else max(latencies, default=0)
-    return {"tok_s": tokens[0] / seconds, "p50": median(latencies) if latencies else 0, "p95": p95,
+    return {"tok_s": tokens[0] / seconds, "tokens": tokens[0], "p50": median(latencies) if latencies else 0, "p95": p95,
             "errors": errors, "answers": answers, "requests": clients * requests}
 
 
@@ -117,6 +119,9 @@ def main():
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
     parser.add_argument("--max-batch", type=int, default=16, help="ours --max-batch = theirs --decode-concurrency")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="ours' sampled request i carries seed SEED + i (their lengths, fixed by it, set how long "
+                             "the slowest client runs; theirs are unseeded and vary per run)")
     parser.add_argument("--check", type=int, default=3,
                         help="answers of ours per level compared with offline generate() (-1: all)")
     parser.add_argument("--out", default=None, help="folder for results.json, results.md and a plot")
@@ -144,17 +149,18 @@ def main():
                 for clients in levels:
                     n = clients * args.requests
                     theirs_run = drive(theirs_port, "default_model", prompts, clients, args.requests, max_tokens,
-                                       sampled, seeded=False)
+                                       sampled, seed=None)
                     ours_run = drive(ours_port, "SmolLM2-135M-Instruct", prompts, clients, args.requests,
-                                     max_tokens, sampled, seeded=True)
+                                     max_tokens, sampled, seed=args.seed)
                     wrong, checked = 0, sorted(ours_run["answers"].items())
                     for index, text in checked if args.check < 0 else checked[: args.check]:
-                        options = {"temp": TEMPERATURE, "seed": index} if sampled else {}
+                        options = {"temp": TEMPERATURE, "seed": args.seed + index} if sampled else {}
                         prompt = format_prompt(tokenizer, prompts[index])
                         wrong += text != generate(model, tokenizer, prompt, max_tokens=max_tokens, **options)
                     lost = n - len(ours_run["answers"])
                     row = {"clients": clients, "max_tokens": max_tokens, "mode": mode,
                            "theirs_tok_s": theirs_run["tok_s"], "ours_tok_s": ours_run["tok_s"],
+                           "theirs_tokens": theirs_run["tokens"], "ours_tokens": ours_run["tokens"],
                            "ratio": ours_run["tok_s"] / max(theirs_run["tok_s"], 1e-9),
                            "theirs_p50": theirs_run["p50"], "theirs_p95": theirs_run["p95"],
                            "ours_p50": ours_run["p50"], "ours_p95": ours_run["p95"],
@@ -164,7 +170,7 @@ def main():
                     print(f"{mode:7s} {max_tokens:3d} tok, {clients:2d} clients: mlx_lm.server {row['theirs_tok_s']:6.1f} "
                           f"tok/s (p50 {row['theirs_p50']:.1f} s, p95 {row['theirs_p95']:.1f} s) | ours "
                           f"{row['ours_tok_s']:6.1f} tok/s (p50 {row['ours_p50']:.1f} s, p95 {row['ours_p95']:.1f} s) "
-                          f"| {row['ratio']:.2f}x | ours lost {lost}, not equal to generate() {wrong}", flush=True)
+                          f"| {row['ratio']:.2f}x | tokens {row['theirs_tokens']} / {row['ours_tokens']} | ours lost {lost}, not equal to generate() {wrong}", flush=True)
                     if args.out:  # after every level: a stopped run keeps what it measured
                         save(rows, Path(args.out), args)
     finally:
