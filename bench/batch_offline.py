@@ -12,6 +12,7 @@ drifting machine moves both; each generator lives for the whole run, as a server
 """
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -31,9 +32,14 @@ class Theirs:
         from mlx_lm.generate import BatchGenerator
         from mlx_lm.sample_utils import make_sampler
 
-        self.make_sampler = make_sampler
-        self.gen = BatchGenerator(model.target.model, stop_tokens=[[e] for e in tokenizer.eos_token_ids],
+        self.make_sampler, self.net = make_sampler, model.target.model
+        self.gen = BatchGenerator(self.net, stop_tokens=[[e] for e in tokenizer.eos_token_ids],
                                   completion_batch_size=max_batch)
+
+    def ops(self):
+        from dflash_mlx.fused_ops import unfused
+
+        return unfused(self.net)  # mlx-lm's own ops, not our compiled norms and RoPEs
 
     def insert(self, ids: list[int], max_tokens: int, sampled: bool, seed: int) -> int:
         samplers = [self.make_sampler(temp=TEMPERATURE)] if sampled else None
@@ -55,6 +61,9 @@ class Ours:
         self.gen = BatchGenerator(model, tokenizer, max_batch=max_batch)
         self.options = {"block_size": 1} if plain else {}
 
+    def ops(self):
+        return contextlib.nullcontext()
+
     def insert(self, ids: list[int], max_tokens: int, sampled: bool, seed: int) -> int:
         import mlx.core as mx
 
@@ -74,16 +83,17 @@ def run_level(gen, prompts: list[list[int]], clients: int, requests: int, max_to
         owner[gen.insert(prompts[index], max_tokens, sampled, index)] = client
         sent[client] += 1
 
-    tic = time.perf_counter()
-    for client in range(clients):
-        send(client)
-    while owner:
-        for uid, committed, finished in gen.next():
-            tokens += committed
-            if finished:
-                client = owner.pop(uid)
-                if sent[client] < requests:
-                    send(client)
+    with gen.ops():
+        tic = time.perf_counter()
+        for client in range(clients):
+            send(client)
+        while owner:
+            for uid, committed, finished in gen.next():
+                tokens += committed
+                if finished:
+                    client = owner.pop(uid)
+                    if sent[client] < requests:
+                        send(client)
     return tokens / (time.perf_counter() - tic)
 
 

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from dflash_mlx import format_prompt, load
 from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.engine import Context, draft, plain_step, prefill, verify
+from dflash_mlx.fused_ops import unfused
 from dflash_mlx.sampling import SamplingParams, accept, choose
 
 
@@ -42,9 +43,10 @@ def states(caches) -> list:
 
 
 def mlx_lm_step(model, prompt: mx.array) -> int:
-    cache = make_prompt_cache(model.target.model)
-    mx.eval(model.target.model(prompt[None, :-1], cache=cache))
-    logits = model.target.model(prompt[None, -1:], cache=cache)
+    with unfused(model.target.model) as net:  # mlx-lm's own ops
+        cache = make_prompt_cache(net)
+        mx.eval(net(prompt[None, :-1], cache=cache))
+        logits = net(prompt[None, -1:], cache=cache)
     return primitives(mx.argmax(logits[:, -1], axis=-1), *states(cache))
 
 

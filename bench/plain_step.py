@@ -26,6 +26,7 @@ from dflash_mlx import format_prompt, load
 from dflash_mlx.bench.harness import SAMPLED
 from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.engine import DFlashModel, decode
+from dflash_mlx.fused_ops import unfused
 from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.sampling import SamplingParams
 
@@ -44,8 +45,9 @@ def ms_per_token(steps) -> float:
 
 def mlx_lm_steps(model: DFlashModel, prompt: mx.array, tokens: int, sampled: bool):
     sampler = make_sampler(**SAMPLED) if sampled else None
-    for n, _ in enumerate(generate_step(prompt, model.target.model, max_tokens=tokens, sampler=sampler)):
-        yield n + 1
+    with unfused(model.target.model):  # mlx-lm's own ops
+        for n, _ in enumerate(generate_step(prompt, model.target.model, max_tokens=tokens, sampler=sampler)):
+            yield n + 1
 
 
 def our_steps(model: DFlashModel, prompt: mx.array, tokens: int, sampled: bool, block_size=None):

@@ -21,6 +21,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import format_prompt, load
 from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.engine import Context, draft, prefill, verify
+from dflash_mlx.fused_ops import unfused
 from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.sampling import SamplingParams, accept, choose
 
@@ -59,10 +60,11 @@ def profile_width(model, prompt: mx.array, width: int, cycles: int) -> tuple[dic
 
 def plain_step_ms(model, prompt: mx.array, steps: int) -> list[float]:
     times, tic = [], None
-    for _ in generate_step(prompt, model.target.model, max_tokens=steps + 1):
-        if tic is not None:
-            times.append(1e3 * (time.perf_counter() - tic))
-        tic = time.perf_counter()
+    with unfused(model.target.model):  # mlx-lm's own ops
+        for _ in generate_step(prompt, model.target.model, max_tokens=steps + 1):
+            if tic is not None:
+                times.append(1e3 * (time.perf_counter() - tic))
+            tic = time.perf_counter()
     return times
 
 

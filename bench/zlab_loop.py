@@ -29,6 +29,7 @@ from dflash_mlx.api import format_prompt, load, stream_generate
 from dflash_mlx.bench.harness import _timed
 from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.drafters import load_draft, save_draft
+from dflash_mlx.fused_ops import unfused
 from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.convert.smollm2 import smollm2_path
 from dflash_mlx.registry import DEFAULT_DRAFT
@@ -78,7 +79,11 @@ def main():
     theirs, _ = mlx_lm.load(str(smollm2_path()))  # a model of its own: z-lab's loop patches its layers
     zdraft = zlab_drafter(Path(args.draft), Path(tempfile.mkdtemp()) / "drafter")
 
-    decoders = {"plain": lambda p: mlx_stream_generate(ours.target.model, tokenizer, p, max_tokens=args.max_tokens)}
+    def plain(prompt):
+        with unfused(ours.target.model):  # mlx-lm's own ops
+            yield from mlx_stream_generate(ours.target.model, tokenizer, prompt, max_tokens=args.max_tokens)
+
+    decoders = {"plain": plain}
     for w in widths:
         decoders[f"z-lab {w}"] = lambda p, w=w: zlab.stream_generate(theirs, zdraft, tokenizer, p, block_size=w,
                                                                      max_tokens=args.max_tokens)

@@ -474,7 +474,7 @@ def monotone(values: list[float]) -> list[float]:
 
 def costs_path(key: str, cache_root: Path) -> Path:
     """Where the cost model of (`key`, this machine) is stored."""
-    name = f"{key}-{machine_key()}-v4".replace("/", "_").replace(" ", "_")  # v4: sampling = position noise + argmax
+    name = f"{key}-{machine_key()}-v5".replace("/", "_").replace(" ", "_")  # v5: norms and RoPEs compiled on a CPU
     return cache_root / "costs" / f"{name}.json"
 
 

@@ -16,6 +16,7 @@ from .io import blas
 from .io.progress import add_task, console, progress
 from .batch import BatchDecoder, BatchStep
 from .engine import DecodeStats, DFlashModel, decode
+from .fused_ops import fuse
 from .grammar import Grammar
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, TokenLogprob, check_seed
@@ -98,7 +99,7 @@ def load(
         dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
         # MLX's CPU backend multiplies quantized weights several times slower than fp32 with
         # BLAS (bench/drafter_pass.py: 120 vs 10 ms per 16-token block), so there they are expanded
-        drafter = load_draft(draft_path, dtype=dtype, dequantize=mx.default_device() == mx.cpu).bind(target)
+        drafter = fuse(load_draft(draft_path, dtype=dtype, dequantize=mx.default_device() == mx.cpu).bind(target))
     chooser = None
     if drafter is not None and adaptive:
         key = f"{target_path.name}-{target.dtype}-{Path(resolved.draft).name}-{_fingerprint(draft_path)}"

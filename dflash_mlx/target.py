@@ -13,6 +13,9 @@ class), each calling the module it replaces:
   FinalNormTap        the final norm: for a prefill chunk, only the last
                       position goes on to the output head
 
+Where MLX has no kernel for them (a CPU), its norms and RoPEs are compiled first
+(fused_ops.py).
+
 What the target supports is therefore decided by its caches: a model loads if
 every cache its `make_cache` returns has a rollback handler (rollback.py).
 """
@@ -23,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+from .fused_ops import fuse
 from .gated_delta import MIXER_PROJECTIONS, gated_delta_forward
 from .rollback import BatchRotatingKV, BatchTrimmableKV, GatedDeltaState, UnsupportedCache, checkpointed, checkpointed_batch
 
@@ -184,7 +188,7 @@ class Target:
     """Wraps an mlx-lm model (never copies its weights)."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self.model = fuse(model)
         self.model_type = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
         owner, inner = _model_parts(model)
         self._pass = _Pass()

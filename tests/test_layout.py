@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "dflash_mlx"
 
-LOOP = {"engine", "batch", "target", "rollback", "gated_delta", "sampling", "adaptive", "lookup", "grammar", "kernels",
+LOOP = {"engine", "batch", "target", "rollback", "gated_delta", "sampling", "adaptive", "lookup", "grammar", "kernels", "fused_ops",
         "prompt_cache", "drafters"}
 TOOLS = {"train", "bench", "convert", "serve", "distributed"}
 ENTRY = {"api", "cli", "registry"}

@@ -20,6 +20,7 @@ from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from ..api import format_prompt, stream_generate
+from ..fused_ops import unfused
 from .prompt_sets import load_prompts
 from ..engine import DFlashModel
 from ..io.progress import add_task, progress
@@ -59,8 +60,9 @@ def _plain(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed) -> Run
     mx.random.seed(seed)
     sampler = make_sampler(**SAMPLED) if mode == "sampled" else None
     mx.reset_peak_memory()
-    last, tps = _timed(mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens,
-                                           sampler=sampler))
+    with unfused(model.target.model):  # mlx-lm's own ops, not our compiled norms and RoPEs
+        last, tps = _timed(mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens,
+                                               sampler=sampler))
     return Run("", 0, "plain", mode, last.generation_tokens, tps, last.prompt_tps, mx.get_peak_memory() / 1e9)
 
 

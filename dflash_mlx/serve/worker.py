@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import mlx.core as mx
+
 from ..api import BatchGenerator, stream_generate
 
 DONE = object()
@@ -40,7 +42,7 @@ class _Engine:
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
         self._stopping = False
         self.on_finish = on_finish  # called with the last GenerationResponse of each finished job
-        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name="dflash-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -71,6 +73,15 @@ class _Engine:
         job.events.put(DONE)
         if self.on_finish is not None and last is not None:
             self.on_finish(last, cancelled=cancelled)
+
+    def _thread_main(self) -> None:
+        try:
+            self._run()
+        finally:
+            # MLX keeps streams per thread; a thread that ran compiled functions and leaves
+            # its streams behind aborts the process at exit ("terminate called without an
+            # active exception", MLX 0.32)
+            mx.clear_streams()
 
     def _run(self) -> None:
         raise NotImplementedError

@@ -1,0 +1,63 @@
+"""One target forward with its norms and RoPEs compiled (fused_ops.py) against mlx-lm's own ops.
+
+    python bench/fused_ops.py [--shapes 1x1,1x2,1x4,1x8,4x1,8x1] [--context 300] [--repeats 40]
+
+For each shape rows x tokens: the forward over `tokens` new tokens per row on top of a
+`context`-token cache (trimmed back after each pass), the fused and the unfused model
+interleaved pass by pass; medians in ms, the primitives of each graph, and whether the
+logits are bitwise equal.
+"""
+
+import statistics
+import time
+
+import typer
+
+import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash_mlx import load
+from dflash_mlx.bench.harness import machine
+from dflash_mlx.fused_ops import unfused
+from cycle_graph import primitives
+
+
+def main(shapes: str = "1x1,1x2,1x4,1x8,4x1,8x1", context: int = 300, repeats: int = 40):
+    model, _ = load(use_draft=False)
+    net = model.target.model
+    print(f"Machine: {machine()}; context {context} tokens; medians of {repeats} interleaved passes\n")
+    print("| rows x tokens | mlx-lm ops ms | compiled ms | speedup | primitives (mlx-lm / compiled) | bitwise equal |")
+    print("|---|---|---|---|---|---|")
+    for shape in shapes.split(","):
+        rows, tokens = map(int, shape.split("x"))
+        cache = make_prompt_cache(net)
+        mx.eval(net(mx.array([list(range(100, 100 + context))] * rows), cache=cache))
+        block = mx.array([[500 + i for i in range(tokens)]] * rows)
+
+        def forward(timed: list):
+            tic = time.perf_counter()
+            logits = net(block, cache=cache)
+            count = primitives(logits) if timed is None else 0
+            mx.eval(logits)
+            if timed is not None:
+                timed.append(1e3 * (time.perf_counter() - tic))
+            for layer_cache in cache:
+                layer_cache.trim(tokens)
+            return logits, count
+
+        fused, fused_count = forward(None)  # warm-up (tracing) and the graph's size
+        with unfused(net):
+            theirs, theirs_count = forward(None)
+        ours_ms, theirs_ms = [], []
+        for _ in range(repeats):
+            with unfused(net):
+                forward(theirs_ms)
+            forward(ours_ms)
+        a, b = statistics.median(theirs_ms), statistics.median(ours_ms)
+        print(f"| {rows} x {tokens} | {a:.1f} | {b:.1f} | {a / b:.3f}x | {theirs_count} / {fused_count} | "
+              f"{mx.array_equal(fused, theirs).item()} |", flush=True)
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,103 @@
+"""Norms and RoPE compiled per module instance where MLX has no kernel for them.
+
+On a CPU, `mx.fast.rms_norm` and `mx.fast.rope` fall back to compositions of small ops
+(11 and 29 primitives), and each primitive costs several microseconds to schedule there
+whatever its size: for SmolLM2-135M that is 60 norms and 60 RoPEs, 2,400 of a decode
+step's 4,067 primitives.  Compiled, each becomes a few fused kernels with bitwise the same
+output (bench/fused_ops.py measures the step).  On a GPU both are single kernels already,
+so nothing is done there.
+
+`fuse(model)` puts a FusedNorm / FusedRoPE in front of every module of the kinds below,
+in that model instance only (never in a class); `unfused(model)` takes them out for a
+while (a plain mlx-lm baseline runs mlx-lm's own ops).  A compiled function is traced once
+per input shape; the module's parameters are passed in at each call, so the live weights
+are used.
+"""
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
+
+NORMS = (nn.RMSNorm, nn.LayerNorm)
+ROPES = (nn.RoPE, Llama3RoPE, SuScaledRoPE)  # called as (x, offset): offset an int or an array
+
+
+def fusing() -> bool:
+    """True where the fast norm / RoPE ops are compositions of small ops (a CPU)."""
+    return mx.default_device() == mx.cpu
+
+
+class _Fused(nn.Module):
+    """Stands in for `inner` (its child: its parameters stay reachable); attributes it
+    lacks are the inner module's."""
+
+    def __init__(self, inner: nn.Module, forward):
+        super().__init__()
+        self.inner = inner
+        self._forward = mx.compile(forward, inputs=inner)
+
+    def __getattr__(self, name):
+        if name in self:
+            return self[name]
+        inner = dict.get(self, "inner")  # absent while __init__ runs
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+class FusedNorm(_Fused):
+    def __init__(self, inner: nn.Module):
+        super().__init__(inner, lambda x: inner(x))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._forward(x)
+
+
+class FusedRoPE(_Fused):
+    def __init__(self, inner: nn.Module):
+        super().__init__(inner, lambda x, offset: inner(x, offset=offset))
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        # an int offset would be a constant of the trace (a new trace per position): an array is an input
+        return self._forward(x, offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32))
+
+
+def _at(model: nn.Module, parts: list[str]):
+    for part in parts:
+        model = model[int(part)] if isinstance(model, list) else model[part]
+    return model
+
+
+def _place(model: nn.Module, path: str, module: nn.Module) -> None:
+    *parents, name = path.split(".")
+    owner = _at(model, parents)
+    if isinstance(owner, list):
+        owner[int(name)] = module
+    else:
+        setattr(owner, name, module)
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """`model` with its norms and RoPEs compiled, where fusing(); returns the model."""
+    if fusing():
+        inside = {path for path, m in model.named_modules() if isinstance(m, _Fused)}  # fused already
+        kinds = [(path, FusedNorm if type(m) in NORMS else FusedRoPE) for path, m in model.named_modules()
+                 if path and type(m) in NORMS + ROPES and path.rpartition(".")[0] not in inside]
+        for path, kind in kinds:
+            _place(model, path, kind(_at(model, path.split("."))))
+    return model
+
+
+@contextmanager
+def unfused(model: nn.Module):
+    """`model` running its own (uncompiled) norms and RoPEs inside the block."""
+    fused = [(path, m) for path, m in model.named_modules() if isinstance(m, _Fused)]
+    for path, m in fused:
+        _place(model, path, m.inner)
+    try:
+        yield model
+    finally:
+        for path, m in fused:
+            _place(model, path, m)
