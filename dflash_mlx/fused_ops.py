@@ -29,14 +29,13 @@ def fusing() -> bool:
     return mx.default_device() == mx.cpu
 
 
-class _Fused(nn.Module):
-    """Stands in for `inner` (its child: its parameters stay reachable); attributes it
-    lacks are the inner module's."""
+class Wrapper(nn.Module):
+    """A module standing in for `inner` (its child, so its parameters stay reachable and
+    quantizable); attributes it lacks are the inner module's."""
 
-    def __init__(self, inner: nn.Module, forward):
+    def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
-        self._forward = mx.compile(forward, inputs=inner)
 
     def __getattr__(self, name):
         if name in self:
@@ -45,6 +44,12 @@ class _Fused(nn.Module):
         if inner is None:
             raise AttributeError(name)
         return getattr(inner, name)
+
+
+class _Fused(Wrapper):
+    def __init__(self, inner: nn.Module, forward):
+        super().__init__(inner)
+        self._forward = mx.compile(forward, inputs=inner)
 
 
 class FusedNorm(_Fused):

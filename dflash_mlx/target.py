@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from .fused_ops import fuse
+from .fused_ops import Wrapper, fuse
 from .gated_delta import MIXER_PROJECTIONS, gated_delta_forward
 from .rollback import BatchRotatingKV, BatchTrimmableKV, GatedDeltaState, UnsupportedCache, checkpointed, checkpointed_batch
 
@@ -129,22 +129,12 @@ class _Pass:
         self.outputs = {}
 
 
-class StandIn(nn.Module):
-    """A module standing in for `inner` (its child, so its parameters stay reachable
-    and quantizable); attributes it lacks are the inner module's."""
+class StandIn(Wrapper):
+    """A wrapper told what the current pass wants recorded."""
 
     def __init__(self, inner: nn.Module, current: _Pass):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self._pass = current  # a plain object: kept out of the parameter tree
-
-    def __getattr__(self, name):
-        if name in self:
-            return self[name]
-        inner = dict.get(self, "inner")  # absent while __init__ runs
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
 
 class LayerTap(StandIn):
