@@ -69,15 +69,11 @@ class FusedRoPE(_Fused):
         return self._forward(x, offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32))
 
 
-def _at(model: nn.Module, parts: list[str]):
-    for part in parts:
-        model = model[int(part)] if isinstance(model, list) else model[part]
-    return model
-
-
 def _place(model: nn.Module, path: str, module: nn.Module) -> None:
     *parents, name = path.split(".")
-    owner = _at(model, parents)
+    owner = model
+    for part in parents:
+        owner = owner[int(part)] if isinstance(owner, list) else owner[part]
     if isinstance(owner, list):
         owner[int(name)] = module
     else:
@@ -87,11 +83,11 @@ def _place(model: nn.Module, path: str, module: nn.Module) -> None:
 def fuse(model: nn.Module) -> nn.Module:
     """`model` with its norms and RoPEs compiled, where fusing(); returns the model."""
     if fusing():
-        inside = {path for path, m in model.named_modules() if isinstance(m, _Fused)}  # fused already
-        kinds = [(path, FusedNorm if type(m) in NORMS else FusedRoPE) for path, m in model.named_modules()
-                 if path and type(m) in NORMS + ROPES and path.rpartition(".")[0] not in inside]
-        for path, kind in kinds:
-            _place(model, path, kind(_at(model, path.split("."))))
+        modules = model.named_modules()
+        inside = {path for path, m in modules if isinstance(m, _Fused)}  # fused already
+        for path, m in modules:
+            if path and type(m) in NORMS + ROPES and path.rpartition(".")[0] not in inside:
+                _place(model, path, (FusedNorm if type(m) in NORMS else FusedRoPE)(m))
     return model
 
 
