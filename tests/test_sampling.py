@@ -143,6 +143,30 @@ def test_seeded_output_does_not_depend_on_the_widths(pair):
             assert tokens == reference
 
 
+
+def test_noise_rows_kept_for_a_verify_again_are_the_rows_drawn_afresh(monkeypatch):
+    """A verify that rejects part of its block verifies those positions again: their rows are
+    drawn once, equal a fresh draw, and rows before the latest start are let go."""
+    drawn = []
+    position_key = sampling._position_key
+    monkeypatch.setattr(sampling, "_position_key", lambda seed, p: drawn.append(p) or position_key(seed, p))
+    noise = sampling.Noise(7, 50)
+    noise.at(3, 4)
+    again = noise.at(5, 4)
+    assert drawn == [3, 4, 5, 6, 7, 8]
+    assert mx.array_equal(again, sampling.Noise(7, 50).at(5, 4))
+    noise.at(9, 1)
+    assert sorted(noise._rows) == [9]
+
+
+def test_an_unfiltered_choice_is_the_argmax_of_the_normalised_scores():
+    """Without top-p / top-k the choice skips normalising, which only shifts each row."""
+    logits = mx.random.normal((64, 300), key=mx.random.key(3)) * 4
+    noise = mx.random.gumbel((64, 300), key=mx.random.key(4))
+    params = SamplingParams(temp=0.7)
+    normalised = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)) / params.temp + noise
+    assert mx.array_equal(sampling.choose(logits, params, noise), mx.argmax(normalised, axis=-1))
+
 def test_invalid_sampling_parameters_are_refused():
     for bad in (dict(temp=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(temp=float("nan")),
                 dict(temp=float("inf")), dict(top_p=float("nan")), dict(top_k=1.5)):
