@@ -4,10 +4,12 @@ Both servers run on the same fp32 weights (the offline SmolLM2-135M-Instruct), m
 with OpenBLAS loaded the way our set-up loads it (LD_PRELOAD of Debian's libblas.so.3).  For
 each level (clients x answer length x greedy / sampled), both servers get the same chat
 requests, one after the other (theirs first, then ours), each client sending `--requests`
-requests back to back.  Reports aggregate completion tokens per second and p50 / p95 request
-latency, the ratio ours / theirs, and checks every answer of ours against offline
-`generate()` (greedy, and sampled with the request's seed; mlx_lm.server turns batching off
-for seeded requests, so its sampled requests carry no seed).
+requests back to back, or more at few clients so that a level sends `--min-requests` in all
+(one or two clients' few requests measure little but the prompts they happened to get).
+Reports aggregate completion tokens per second and p50 / p95 request latency, the ratio
+ours / theirs, and checks every answer of ours against offline `generate()` (greedy, and
+sampled with the request's seed; mlx_lm.server turns batching off for seeded requests, so its
+sampled requests carry no seed).
 
     python bench/serve_batch.py --clients 1,2,4,8,16 --max-tokens 64,256 --modes greedy,sampled \\
         --out bench/results/serve-batch
@@ -118,6 +120,8 @@ def main():
     parser.add_argument("--max-tokens", default="64,256")
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
+    parser.add_argument("--min-requests", type=int, default=8,
+                        help="requests per level at least (clients send ceil(this / clients) if that is more)")
     parser.add_argument("--max-batch", type=int, default=16, help="ours --max-batch = theirs --decode-concurrency")
     parser.add_argument("--seed", type=int, default=0,
                         help="ours' sampled request i carries seed SEED + i (their lengths, fixed by it, set how long "
@@ -135,7 +139,8 @@ def main():
     levels = [int(c) for c in args.clients.split(",")]
     lengths = [int(n) for n in args.max_tokens.split(",")]
     modes = args.modes.split(",")
-    most = max(levels) * args.requests
+    per_client = {c: max(args.requests, -(-args.min_requests // c)) for c in levels}
+    most = max(c * per_client[c] for c in levels)
     prompts = mixed_prompts(["mtbench", "gsm8k", "humaneval"], most)
     model, tokenizer = load(None)
     (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), args.max_batch)
@@ -147,10 +152,11 @@ def main():
             for mode in modes:
                 sampled = mode == "sampled"
                 for clients in levels:
-                    n = clients * args.requests
-                    theirs_run = drive(theirs_port, "default_model", prompts, clients, args.requests, max_tokens,
+                    requests = per_client[clients]
+                    n = clients * requests
+                    theirs_run = drive(theirs_port, "default_model", prompts, clients, requests, max_tokens,
                                        sampled, seed=None)
-                    ours_run = drive(ours_port, "SmolLM2-135M-Instruct", prompts, clients, args.requests,
+                    ours_run = drive(ours_port, "SmolLM2-135M-Instruct", prompts, clients, requests,
                                      max_tokens, sampled, seed=args.seed)
                     wrong, checked = 0, sorted(ours_run["answers"].items())
                     for index, text in checked if args.check < 0 else checked[: args.check]:
