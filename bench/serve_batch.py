@@ -120,7 +120,7 @@ def main():
     parser.add_argument("--max-tokens", default="64,256")
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
-    parser.add_argument("--min-requests", type=int, default=8,
+    parser.add_argument("--min-requests", type=int, default=16,
                         help="requests per level at least (clients send ceil(this / clients) if that is more)")
     parser.add_argument("--max-batch", type=int, default=16, help="ours --max-batch = theirs --decode-concurrency")
     parser.add_argument("--seed", type=int, default=0,
