@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from .fused_ops import Wrapper, fuse
+from .fused_ops import Wrapper, column_major, fuse, fusing
 from .gated_delta import MIXER_PROJECTIONS, gated_delta_forward
 from .rollback import BatchRotatingKV, BatchTrimmableKV, GatedDeltaState, UnsupportedCache, checkpointed, checkpointed_batch
 
@@ -247,6 +247,8 @@ class Target:
             return lambda h: mx.quantized_matmul(h, weight, scales, biases, transpose=True,
                                                  group_size=head.group_size, bits=head.bits)
         bias = head.bias[token_ids] if "bias" in head else None
+        if fusing() and weight.dtype == mx.float32:
+            weight = column_major(weight)  # as the whole head is (fused_ops.py)
         mx.eval(weight, bias)
         return lambda h: h @ weight.T + bias if bias is not None else h @ weight.T
 

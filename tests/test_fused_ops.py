@@ -82,3 +82,35 @@ def test_a_loaded_model_runs_fused_and_the_plain_baseline_does_not(tiny_dirs):
     with unfused(net):
         assert fused_count(net) == 0
         assert sum(type(m) in (nn.RMSNorm, nn.RoPE) for _, m in net.named_modules()) > 0
+
+
+def matmul_weights(model: nn.Module) -> list[mx.array]:
+    return [m.weight for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
+
+
+def stored_column_major(weight: mx.array) -> bool:
+    rows, columns = weight.shape
+    return memoryview(weight).strides == (weight.itemsize, rows * weight.itemsize)
+
+
+def test_float_matmul_weights_are_stored_column_major_and_unfused_gives_them_back_row_major():
+    model = tiny_model("llama")
+    values = [mx.array(w) for w in matmul_weights(model)]
+    fuse(model)
+    assert values and all(map(stored_column_major, matmul_weights(model)))
+    with unfused(model):
+        assert not any(map(stored_column_major, matmul_weights(model)))
+    assert all(map(stored_column_major, matmul_weights(model)))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(values, matmul_weights(model)))
+
+
+def test_quantized_and_half_precision_weights_keep_their_storage():
+    """Only float32 weights go through BLAS on a CPU; the others are left as loaded."""
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda path, m: "mlp" in path)
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight.astype(mx.bfloat16)
+    fuse(model)
+    weights = matmul_weights(model)
+    assert not stored_column_major(model.model.embed_tokens.weight)
+    assert all(type(m) is nn.QuantizedLinear for path, m in model.named_modules() if path.endswith("mlp.up_proj"))
+    assert any(map(stored_column_major, weights))  # the attention projections are float32
