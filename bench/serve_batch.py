@@ -5,9 +5,13 @@ with OpenBLAS loaded the way our set-up loads it (LD_PRELOAD of Debian's libblas
 each level (clients x answer length x greedy / sampled), both servers get the same chat
 requests, one after the other (theirs first, then ours), each client sending `--requests`
 requests back to back, or more at few clients so that a level sends `--min-requests` in all
-(one or two clients' few requests measure little but the prompts they happened to get).
-Reports aggregate completion tokens per second and p50 / p95 request latency, the ratio
-ours / theirs, and checks every answer of ours against offline `generate()` (greedy, and
+(one or two clients' few requests measure little but the prompts they happened to get); with
+`--reps`, each level runs that many times, theirs and ours in turn, so that a spell of the
+machine running slow moves one rep of both rather than one server's only measurement.
+Reports aggregate completion tokens per second (medians of the reps) and p50 / p95 request
+latency (over every rep's requests), the ratio ours / theirs (the median of the reps' ratios),
+how many of our batch steps drafted (from our /metrics), and checks every answer of ours
+against offline `generate()` (greedy, and
 sampled with the request's seed; mlx_lm.server turns batching off for seeded requests, so its
 sampled requests carry no seed).
 
@@ -24,6 +28,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median, quantiles
@@ -109,9 +114,27 @@ def drive(port: int, model: str, prompts: list[str], clients: int, requests: int
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     seconds = time.perf_counter() - tic
-    p95 = quantiles(latencies, n=20)[-1] if len(latencies) >= 2 else max(latencies, default=0)
-    return {"tok_s": tokens[0] / seconds, "tokens": tokens[0], "p50": median(latencies) if latencies else 0, "p95": p95,
+    return {"tok_s": tokens[0] / seconds, "tokens": tokens[0], "latencies": latencies,
             "errors": errors, "answers": answers, "requests": clients * requests}
+
+
+def percentiles(latencies: list[float]) -> tuple[float, float]:
+    """p50, p95 (0 when nothing came back)."""
+    if len(latencies) < 2:
+        return max(latencies, default=0), max(latencies, default=0)
+    return median(latencies), quantiles(latencies, n=20)[-1]
+
+
+def batch_steps(port: int) -> Counter:
+    """Our server's batch steps so far, by mode ("plain" / "draft"), read from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    counts = Counter()
+    for line in text.splitlines():
+        if line.startswith("dflash_batch_steps_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels.split('mode="')[1].split('"')[0]] += int(float(value))
+    return counts
 
 
 def main():
@@ -122,6 +145,7 @@ def main():
     parser.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
     parser.add_argument("--min-requests", type=int, default=16,
                         help="requests per level at least (clients send ceil(this / clients) if that is more)")
+    parser.add_argument("--reps", type=int, default=1, help="runs of each level, theirs and ours in turn")
     parser.add_argument("--max-batch", type=int, default=16, help="ours --max-batch = theirs --decode-concurrency")
     parser.add_argument("--seed", type=int, default=0,
                         help="ours' sampled request i carries seed SEED + i (their lengths, fixed by it, set how long "
@@ -154,29 +178,43 @@ def main():
                 for clients in levels:
                     requests = per_client[clients]
                     n = clients * requests
-                    theirs_run = drive(theirs_port, "default_model", prompts, clients, requests, max_tokens,
-                                       sampled, seed=None)
-                    ours_run = drive(ours_port, "SmolLM2-135M-Instruct", prompts, clients, requests,
-                                     max_tokens, sampled, seed=args.seed)
-                    wrong, checked = 0, sorted(ours_run["answers"].items())
-                    for index, text in checked if args.check < 0 else checked[: args.check]:
+                    theirs_runs, ours_runs, steps = [], [], Counter()
+                    for _ in range(args.reps):
+                        theirs_runs.append(drive(theirs_port, "default_model", prompts, clients, requests, max_tokens,
+                                                 sampled, seed=None))
+                        before = batch_steps(ours_port)
+                        ours_runs.append(drive(ours_port, "SmolLM2-135M-Instruct", prompts, clients, requests,
+                                               max_tokens, sampled, seed=args.seed))
+                        steps += batch_steps(ours_port) - before
+                    answered = sorted({index for run in ours_runs for index in run["answers"]})
+                    checked = answered if args.check < 0 else answered[: args.check]
+                    wrong = 0
+                    for index in checked:
                         options = {"temp": TEMPERATURE, "seed": args.seed + index} if sampled else {}
                         prompt = format_prompt(tokenizer, prompts[index])
-                        wrong += text != generate(model, tokenizer, prompt, max_tokens=max_tokens, **options)
-                    lost = n - len(ours_run["answers"])
-                    row = {"clients": clients, "max_tokens": max_tokens, "mode": mode,
-                           "theirs_tok_s": theirs_run["tok_s"], "ours_tok_s": ours_run["tok_s"],
-                           "theirs_tokens": theirs_run["tokens"], "ours_tokens": ours_run["tokens"],
-                           "ratio": ours_run["tok_s"] / max(theirs_run["tok_s"], 1e-9),
-                           "theirs_p50": theirs_run["p50"], "theirs_p95": theirs_run["p95"],
-                           "ours_p50": ours_run["p50"], "ours_p95": ours_run["p95"],
-                           "ours_lost": lost, "ours_wrong": wrong,
-                           "checked": len(checked) if args.check < 0 else min(args.check, len(checked)), "theirs_lost": n - len(theirs_run["answers"])}
+                        expected = generate(model, tokenizer, prompt, max_tokens=max_tokens, **options)
+                        wrong += sum(run["answers"][index] != expected for run in ours_runs if index in run["answers"])
+                    lost = sum(n - len(run["answers"]) for run in ours_runs)
+                    (theirs_p50, theirs_p95), (ours_p50, ours_p95) = (
+                        percentiles([t for run in runs for t in run["latencies"]]) for runs in (theirs_runs, ours_runs))
+                    ratios = [o["tok_s"] / max(t["tok_s"], 1e-9) for t, o in zip(theirs_runs, ours_runs)]
+                    row = {"clients": clients, "max_tokens": max_tokens, "mode": mode, "reps": args.reps,
+                           "theirs_tok_s": median(run["tok_s"] for run in theirs_runs),
+                           "ours_tok_s": median(run["tok_s"] for run in ours_runs),
+                           "theirs_tokens": sum(run["tokens"] for run in theirs_runs),
+                           "ours_tokens": sum(run["tokens"] for run in ours_runs),
+                           "ratio": median(ratios), "ratios": ratios,
+                           "theirs_p50": theirs_p50, "theirs_p95": theirs_p95, "ours_p50": ours_p50, "ours_p95": ours_p95,
+                           "ours_lost": lost, "ours_wrong": wrong, "checked": len(checked),
+                           "ours_steps": sum(steps.values()), "ours_draft_steps": steps["draft"],
+                           "theirs_lost": sum(n - len(run["answers"]) for run in theirs_runs)}
                     rows.append(row)
                     print(f"{mode:7s} {max_tokens:3d} tok, {clients:2d} clients: mlx_lm.server {row['theirs_tok_s']:6.1f} "
-                          f"tok/s (p50 {row['theirs_p50']:.1f} s, p95 {row['theirs_p95']:.1f} s) | ours "
-                          f"{row['ours_tok_s']:6.1f} tok/s (p50 {row['ours_p50']:.1f} s, p95 {row['ours_p95']:.1f} s) "
-                          f"| {row['ratio']:.2f}x | tokens {row['theirs_tokens']} / {row['ours_tokens']} | ours lost {lost}, not equal to generate() {wrong}", flush=True)
+                          f"tok/s (p50 {theirs_p50:.1f} s, p95 {theirs_p95:.1f} s) | ours "
+                          f"{row['ours_tok_s']:6.1f} tok/s (p50 {ours_p50:.1f} s, p95 {ours_p95:.1f} s) "
+                          f"| {row['ratio']:.2f}x (reps: {', '.join(f'{r:.2f}' for r in ratios)}) "
+                          f"| tokens {row['theirs_tokens']} / {row['ours_tokens']} | ours drafted {steps['draft']} of "
+                          f"{row['ours_steps']} steps, lost {lost}, not equal to generate() {wrong}", flush=True)
                     if args.out:  # after every level: a stopped run keeps what it measured
                         save(rows, Path(args.out), args)
     finally:
@@ -193,12 +231,12 @@ def save(rows: list[dict], out: Path, args) -> None:
                                                   "rows": rows}, indent=1))
     lines = [f"Machine: {machine()}", f"Command: `python {' '.join(sys.argv)}`", "",
              "| mode | tokens | clients | mlx_lm.server tok/s | p50 / p95 s | ours tok/s | p50 / p95 s | ours / theirs "
-             "| ours lost / not exact |", "|---|---|---|---|---|---|---|---|---|"]
+             "| ours steps drafted | ours lost / not exact |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['max_tokens']} | {r['clients']} | {r['theirs_tok_s']:.1f} | "
                      f"{r['theirs_p50']:.1f} / {r['theirs_p95']:.1f} | {r['ours_tok_s']:.1f} | "
                      f"{r['ours_p50']:.1f} / {r['ours_p95']:.1f} | **{r['ratio']:.2f}x** | "
-                     f"{r['ours_lost']} / {r['ours_wrong']} |")
+                     f"{r['ours_draft_steps']} / {r['ours_steps']} | {r['ours_lost']} / {r['ours_wrong']} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:
         from dflash_mlx.bench.plots import _pyplot
