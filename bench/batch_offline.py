@@ -33,8 +33,9 @@ class Theirs:
         from mlx_lm.sample_utils import make_sampler
 
         self.make_sampler, self.net = make_sampler, model.target.model
-        self.gen = BatchGenerator(self.net, stop_tokens=[[e] for e in tokenizer.eos_token_ids],
-                                  completion_batch_size=max_batch)
+        self.gen = BatchGenerator(
+            self.net, stop_tokens=[[e] for e in tokenizer.eos_token_ids], completion_batch_size=max_batch
+        )
 
     def ops(self):
         from dflash_mlx.fused_ops import unfused
@@ -123,19 +124,35 @@ def main():
         run_level(gen, prompts, 1, 1, 8, False)
     names = list(generators)
     print(f"Machine: {machine()}\nCommand: python {' '.join(sys.argv)}\n")
-    print("| mode | tokens | clients | " + " | ".join(f"{n} tok/s" for n in names)
-          + " | " + " | ".join(f"{n} / mlx-lm (median of reps)" for n in names[1:]) + " | ours per rep |")
+    print(
+        "| mode | tokens | clients | "
+        + " | ".join(f"{n} tok/s" for n in names)
+        + " | "
+        + " | ".join(f"{n} / mlx-lm (median of reps)" for n in names[1:])
+        + " | ours per rep |"
+    )
     print("|---" * (3 + 2 * len(names)) + "|")
     for max_tokens in (int(n) for n in args.max_tokens.split(",")):
         for mode in args.modes.split(","):
             for clients in levels:
-                reps = [{name: run_level(gen, prompts, clients, args.requests, max_tokens, mode == "sampled")
-                         for name, gen in generators.items()} for _ in range(args.reps)]
+                reps = [
+                    {
+                        name: run_level(gen, prompts, clients, args.requests, max_tokens, mode == "sampled")
+                        for name, gen in generators.items()
+                    }
+                    for _ in range(args.reps)
+                ]
                 ratios = {name: [rep[name] / rep["mlx-lm"] for rep in reps] for name in names[1:]}
-                print(f"| {mode} | {max_tokens} | {clients} | "
-                      + " | ".join(f"{median(rep[n] for rep in reps):.1f}" for n in names) + " | "
-                      + " | ".join(f"**{median(ratios[n]):.2f}x**" for n in names[1:]) + " | "
-                      + " ".join(f"{r:.2f}" for r in ratios["ours"]) + " |", flush=True)
+                print(
+                    f"| {mode} | {max_tokens} | {clients} | "
+                    + " | ".join(f"{median(rep[n] for rep in reps):.1f}" for n in names)
+                    + " | "
+                    + " | ".join(f"**{median(ratios[n]):.2f}x**" for n in names[1:])
+                    + " | "
+                    + " ".join(f"{r:.2f}" for r in ratios["ours"])
+                    + " |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

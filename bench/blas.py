@@ -1,7 +1,7 @@
 """fp32 matmul throughput of MLX's CPU backend, with or without OpenBLAS.
 
-    python bench/blas.py                              # OpenBLAS (when installed)
-    DFLASH_MLX_NO_OPENBLAS=1 python bench/blas.py     # the wheel's reference BLAS
+python bench/blas.py                              # OpenBLAS (when installed)
+DFLASH_MLX_NO_OPENBLAS=1 python bench/blas.py     # the wheel's reference BLAS
 """
 
 import time

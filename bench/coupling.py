@@ -72,8 +72,10 @@ def main():
         for scheme, table in (("rejection (p/q)", rejection), ("shared noise (ours)", gumbel)):
             rates = [float(np.mean(v)) for v in table[params]]
             tau = 1 + sum(np.prod(rates[: k + 1]) for k in range(len(rates)))
-            print(f"| {name} | {scheme} | {rates[0]:.3f} | {rates[1]:.3f} | {rates[3]:.3f} | {rates[7]:.3f} | "
-                  f"{np.mean(rates):.3f} | {tau:.2f} |")
+            print(
+                f"| {name} | {scheme} | {rates[0]:.3f} | {rates[1]:.3f} | {rates[3]:.3f} | {rates[7]:.3f} | "
+                f"{np.mean(rates):.3f} | {tau:.2f} |"
+            )
 
 
 if __name__ == "__main__":

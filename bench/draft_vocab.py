@@ -52,10 +52,14 @@ def main():
     cache = draft.make_cache()
     draft.add_context(features, cache)
     widths = [int(w) for w in args.widths.split(",")]
-    variants = [("whole vocabulary", None)] + [(f"top {k}", sorted(t for t, _ in counts.most_common(int(k))))
-                                                for k in args.sizes.split(",")]
-    print("| drafting vocabulary | held-out greedy tokens inside | "
-          + " | ".join(f"width {w} (ms)" for w in widths) + " |")
+    variants = [("whole vocabulary", None)] + [
+        (f"top {k}", sorted(t for t, _ in counts.most_common(int(k)))) for k in args.sizes.split(",")
+    ]
+    print(
+        "| drafting vocabulary | held-out greedy tokens inside | "
+        + " | ".join(f"width {w} (ms)" for w in widths)
+        + " |"
+    )
     print("|---|---|" + "---|" * len(widths))
     for name, ids in variants:
         draft.restrict_vocab(ids)

@@ -50,5 +50,6 @@ def main():
         draft = load_draft(args.draft, dtype=mx.float32, dequantize=dequantize).bind(target)
         print(f"| {name} | " + " | ".join(f"{pass_ms(draft, target, w, args.repeats):.1f} ms" for w in widths) + " |")
 
+
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 
 from dflash_mlx import engine
+from dflash_mlx.request import Context
 from dflash_mlx.api import load
 from dflash_mlx.bench.harness import machine
 from dflash_mlx.sampling import SamplingParams
@@ -42,7 +43,7 @@ def main():
     target, draft = model.target, model.draft
     contexts = []
     for i in range(max(rows)):
-        context = engine.Context(model)
+        context = Context(model)
         tokens = mx.array([[(100 + 7 * i + j) % target.vocab_size for j in range(256 + 20 * i)]])
         context.add(target(tokens, target.make_cache(), draft.target_layer_ids)[1])
         context.flush()
@@ -54,10 +55,16 @@ def main():
     for width in (int(w) for w in args.widths.split(",")):
         for n in rows:
             lasts = [mx.array([7 + i]) for i in range(n)]
-            together = ms(lambda: engine.draft_rows(model, lasts, contexts[:n], width, [greedy] * n, [None] * n),
-                          args.repeats)
-            apart = ms(lambda: [engine.draft(model, last, context, width, greedy, None)
-                                for last, context in zip(lasts, contexts[:n])], args.repeats)
+            together = ms(
+                lambda: engine.draft_rows(model, lasts, contexts[:n], width, [greedy] * n, [None] * n), args.repeats
+            )
+            apart = ms(
+                lambda: [
+                    engine.draft_rows(model, [last], [context], width, [greedy], [None])
+                    for last, context in zip(lasts, contexts[:n])
+                ],
+                args.repeats,
+            )
             print(f"| {width} | {n} | {together:.1f} ms | {apart:.1f} ms | {apart / together:.2f}x |", flush=True)
 
 

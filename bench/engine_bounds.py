@@ -21,7 +21,8 @@ import mlx_lm
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import format_prompt
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.convert.smollm2 import smollm2_path
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import Target
@@ -64,14 +65,21 @@ def main(max_tokens: int = 64):
             drafter = drafter or oracle_draft(target, prompt + reference + [0] * 16, layer_ids=LAYERS, block_size=block)
             stats = DecodeStats()
             pair = DFlashModel(target, drafter)
-            out, seconds = timed(lambda: [t for s in decode(pair, mx.array(prompt), SamplingParams(), max_tokens,
-                                                            stats=stats) for t in s.tokens][:max_tokens])
+            out, seconds = timed(
+                lambda: [
+                    t
+                    for s in decode(pair, mx.array(prompt), SamplingParams(), max_tokens, stats=stats)
+                    for t in s.tokens
+                ][:max_tokens]
+            )
             assert out == reference, "DFlash output differs from plain greedy"
             rows.setdefault(name, []).append((max_tokens / seconds, stats.tau))
     print(f"SmolLM2-135M fp32, {max_tokens} tokens, {len(PROMPTS)} prompts, medians")
     print("| decoder | tok/s | tau |\n|---|---|---|")
     for name, values in rows.items():
-        print(f"| {name} | {statistics.median(v[0] for v in values):.1f} | {statistics.median(v[1] for v in values):.2f} |")
+        print(
+            f"| {name} | {statistics.median(v[0] for v in values):.1f} | {statistics.median(v[1] for v in values):.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,12 @@ def rollback_rows(repeats: int, keeps=(1, 4, 8, 15)):
     rows = []
     for keep in keeps:
         replay = median_ms(lambda: kernels.gated_delta_replay(state, k, g, delta, keep), repeats)
-        rerun = median_ms(lambda: gated_delta_update(q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep],
-                                                     b[:, :keep], A_log, dt_bias, state)[1], repeats)
+        rerun = median_ms(
+            lambda: gated_delta_update(
+                q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep], A_log, dt_bias, state
+            )[1],
+            repeats,
+        )
         rows.append((keep, rerun, replay))
     return rows
 

@@ -31,8 +31,7 @@ def relative_error(got: mx.array, want: mx.array) -> float:
     return float(mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-30))
 
 
-def attention_parity(contexts=CONTEXTS, head_dims=(64, 128, 256), dtypes=tuple(TOLERANCE), widths=(1, 4, 16),
-                     run=None):
+def attention_parity(contexts=CONTEXTS, head_dims=(64, 128, 256), dtypes=tuple(TOLERANCE), widths=(1, 4, 16), run=None):
     """Rows (context, head_dim, dtype, width, causal, error, ok) of the block attention kernel vs its twin."""
     run = run or kernels.run_metal
     rows = []
@@ -71,8 +70,10 @@ def tape_parity(dtypes=(mx.float32, mx.bfloat16), widths=(1, 4, 16), run=None):
 
 def main(repeats: int = 20):
     if not kernels.use_metal():
-        raise SystemExit("bench/mac_check.py needs a Mac with Metal (and the GPU as MLX's default device); "
-                         "this machine has neither, so only the MLX twins run here")
+        raise SystemExit(
+            "bench/mac_check.py needs a Mac with Metal (and the GPU as MLX's default device); "
+            "this machine has neither, so only the MLX twins run here"
+        )
     print(f"# dflash-mlx Metal kernels on {mx.metal.device_info().get('device_name', 'a Mac')}, mlx {mx.__version__}\n")
     failures = 0
     print("| context | head_dim | dtype | width | causal | max rel. error | ok |\n|---|---|---|---|---|---|---|")

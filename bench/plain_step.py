@@ -25,7 +25,8 @@ from mlx_lm.sample_utils import make_sampler
 from dflash_mlx import format_prompt, load
 from dflash_mlx.bench.harness import SAMPLED
 from dflash_mlx.bench.prompt_sets import load_prompts
-from dflash_mlx.engine import DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DFlashModel
 from dflash_mlx.fused_ops import unfused
 from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.sampling import SamplingParams

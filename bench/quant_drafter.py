@@ -19,7 +19,8 @@ import mlx_lm
 from dflash_mlx.convert.models import convert_draft, draft_size_mb
 from dflash_mlx.train.data import read_data
 from dflash_mlx.drafters import load_draft
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.convert.smollm2 import smollm2_path
 from dflash_mlx.registry import DEFAULT_DRAFT
 from dflash_mlx.sampling import SamplingParams
@@ -33,8 +34,9 @@ def main(prompts: int = 8, max_tokens: int = 96):
     tmp = Path(tempfile.mkdtemp())
     variants = {"bf16 (shipped)": DEFAULT_DRAFT}
     for bits in (8, 4):
-        variants[f"{bits}-bit g64"] = convert_draft(str(DEFAULT_DRAFT), tmp / f"q{bits}", q_bits=bits,
-                                                    q_group_size=64, show_progress=False)
+        variants[f"{bits}-bit g64"] = convert_draft(
+            str(DEFAULT_DRAFT), tmp / f"q{bits}", q_bits=bits, q_group_size=64, show_progress=False
+        )
     print("| drafter | size MB | tau | tok/s |\n|---|---|---|---|")
     for name, path in variants.items():
         draft = load_draft(path, dtype=mx.float32).bind(target)

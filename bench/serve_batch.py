@@ -63,23 +63,46 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600) -> No
 def start_servers(model_dir: Path, max_batch: int):
     python = sys.executable
     ours_port, theirs_port = free_port(), free_port()
-    ours = subprocess.Popen([python, "-m", "dflash_mlx.cli", "serve", "--port", str(ours_port),
-                             "--max-batch", str(max_batch)], stderr=subprocess.DEVNULL)
+    ours = subprocess.Popen(
+        [python, "-m", "dflash_mlx.cli", "serve", "--port", str(ours_port), "--max-batch", str(max_batch)],
+        stderr=subprocess.DEVNULL,
+    )
     env = dict(os.environ)
     blas = openblas_path()
     if blas:
         env.update(LD_PRELOAD=blas, LD_LIBRARY_PATH=str(Path(blas).parent))
     env.setdefault("HF_HUB_CACHE", str(Path.home() / ".cache" / "huggingface" / "hub"))
     Path(env["HF_HUB_CACHE"]).mkdir(parents=True, exist_ok=True)
-    theirs = subprocess.Popen([python, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(theirs_port),
-                               "--decode-concurrency", str(max_batch)], env=env, stderr=subprocess.DEVNULL)
+    theirs = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(theirs_port),
+            "--decode-concurrency",
+            str(max_batch),
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     wait_ready(ours_port, ours)
     wait_ready(theirs_port, theirs)
     return (ours, ours_port), (theirs, theirs_port)
 
 
-def drive(port: int, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-          sampled: bool, seed: Optional[int]) -> dict:
+def drive(
+    port: int,
+    model: str,
+    prompts: list[str],
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    sampled: bool,
+    seed: Optional[int],
+) -> dict:
     """`clients` threads, each sending `requests` chat requests back to back (sampled ones with
     seed `seed` + their index, unless `seed` is None)."""
     import openai
@@ -98,8 +121,9 @@ def drive(port: int, model: str, prompts: list[str], clients: int, requests: int
                     extra["seed"] = seed + index
             tic = time.perf_counter()
             try:
-                reply = local.chat.completions.create(model=model, max_tokens=max_tokens,
-                                                      messages=[{"role": "user", "content": prompts[index]}], **extra)
+                reply = local.chat.completions.create(
+                    model=model, max_tokens=max_tokens, messages=[{"role": "user", "content": prompts[index]}], **extra
+                )
             except openai.APIError as e:
                 with lock:
                     errors.append(repr(e))
@@ -114,8 +138,14 @@ def drive(port: int, model: str, prompts: list[str], clients: int, requests: int
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     seconds = time.perf_counter() - tic
-    return {"tok_s": tokens[0] / seconds, "tokens": tokens[0], "latencies": latencies,
-            "errors": errors, "answers": answers, "requests": clients * requests}
+    return {
+        "tok_s": tokens[0] / seconds,
+        "tokens": tokens[0],
+        "latencies": latencies,
+        "errors": errors,
+        "answers": answers,
+        "requests": clients * requests,
+    }
 
 
 def percentiles(latencies: list[float]) -> tuple[float, float]:
@@ -143,21 +173,35 @@ def main():
     parser.add_argument("--max-tokens", default="64,256")
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
-    parser.add_argument("--min-requests", type=int, default=16,
-                        help="requests per level at least (clients send ceil(this / clients) if that is more)")
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=16,
+        help="requests per level at least (clients send ceil(this / clients) if that is more)",
+    )
     parser.add_argument("--reps", type=int, default=1, help="runs of each level, theirs and ours in turn")
     parser.add_argument("--max-batch", type=int, default=16, help="ours --max-batch = theirs --decode-concurrency")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="ours' sampled request i carries seed SEED + i (their lengths, fixed by it, set how long "
-                             "the slowest client runs; theirs are unseeded and vary per run)")
-    parser.add_argument("--check", type=int, default=3,
-                        help="answers of ours per level compared with offline generate() (-1: all)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="ours' sampled request i carries seed SEED + i (their lengths, fixed by it, set how long "
+        "the slowest client runs; theirs are unseeded and vary per run)",
+    )
+    parser.add_argument(
+        "--check", type=int, default=3, help="answers of ours per level compared with offline generate() (-1: all)"
+    )
+    parser.add_argument(
+        "--prompts",
+        default="mtbench,gsm8k,humaneval",
+        help="prompt sets taken in turn (bench.prompt_sets; 'chat' = one-line questions as people type them)",
+    )
     parser.add_argument("--out", default=None, help="folder for results.json, results.md and a plot")
     args = parser.parse_args()
 
     import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
     from dflash_mlx.api import format_prompt, generate, load
-    from dflash_mlx.bench.prompt_sets import mixed_prompts
+    from dflash_mlx.bench.prompt_sets import load_prompts, mixed_prompts
     from dflash_mlx.convert.smollm2 import smollm2_path
 
     levels = [int(c) for c in args.clients.split(",")]
@@ -165,7 +209,9 @@ def main():
     modes = args.modes.split(",")
     per_client = {c: max(args.requests, -(-args.min_requests // c)) for c in levels}
     most = max(c * per_client[c] for c in levels)
-    prompts = mixed_prompts(["mtbench", "gsm8k", "humaneval"], most)
+    names = args.prompts.split(",")
+    pool = mixed_prompts(names, sum(len(load_prompts(name)) for name in names))
+    prompts = [pool[i % len(pool)] for i in range(most)]  # a small set is sent again, in the same order
     model, tokenizer = load(None)
     (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), args.max_batch)
     rows = []
@@ -180,11 +226,24 @@ def main():
                     n = clients * requests
                     theirs_runs, ours_runs, steps = [], [], Counter()
                     for _ in range(args.reps):
-                        theirs_runs.append(drive(theirs_port, "default_model", prompts, clients, requests, max_tokens,
-                                                 sampled, seed=None))
+                        theirs_runs.append(
+                            drive(
+                                theirs_port, "default_model", prompts, clients, requests, max_tokens, sampled, seed=None
+                            )
+                        )
                         before = batch_steps(ours_port)
-                        ours_runs.append(drive(ours_port, "SmolLM2-135M-Instruct", prompts, clients, requests,
-                                               max_tokens, sampled, seed=args.seed))
+                        ours_runs.append(
+                            drive(
+                                ours_port,
+                                "SmolLM2-135M-Instruct",
+                                prompts,
+                                clients,
+                                requests,
+                                max_tokens,
+                                sampled,
+                                seed=args.seed,
+                            )
+                        )
                         steps += batch_steps(ours_port) - before
                     answered = sorted({index for run in ours_runs for index in run["answers"]})
                     checked = answered if args.check < 0 else answered[: args.check]
@@ -196,25 +255,41 @@ def main():
                         wrong += sum(run["answers"][index] != expected for run in ours_runs if index in run["answers"])
                     lost = sum(n - len(run["answers"]) for run in ours_runs)
                     (theirs_p50, theirs_p95), (ours_p50, ours_p95) = (
-                        percentiles([t for run in runs for t in run["latencies"]]) for runs in (theirs_runs, ours_runs))
+                        percentiles([t for run in runs for t in run["latencies"]]) for runs in (theirs_runs, ours_runs)
+                    )
                     ratios = [o["tok_s"] / max(t["tok_s"], 1e-9) for t, o in zip(theirs_runs, ours_runs)]
-                    row = {"clients": clients, "max_tokens": max_tokens, "mode": mode, "reps": args.reps,
-                           "theirs_tok_s": median(run["tok_s"] for run in theirs_runs),
-                           "ours_tok_s": median(run["tok_s"] for run in ours_runs),
-                           "theirs_tokens": sum(run["tokens"] for run in theirs_runs),
-                           "ours_tokens": sum(run["tokens"] for run in ours_runs),
-                           "ratio": median(ratios), "ratios": ratios,
-                           "theirs_p50": theirs_p50, "theirs_p95": theirs_p95, "ours_p50": ours_p50, "ours_p95": ours_p95,
-                           "ours_lost": lost, "ours_wrong": wrong, "checked": len(checked),
-                           "ours_steps": sum(steps.values()), "ours_draft_steps": steps["draft"],
-                           "theirs_lost": sum(n - len(run["answers"]) for run in theirs_runs)}
+                    row = {
+                        "clients": clients,
+                        "max_tokens": max_tokens,
+                        "mode": mode,
+                        "reps": args.reps,
+                        "theirs_tok_s": median(run["tok_s"] for run in theirs_runs),
+                        "ours_tok_s": median(run["tok_s"] for run in ours_runs),
+                        "theirs_tokens": sum(run["tokens"] for run in theirs_runs),
+                        "ours_tokens": sum(run["tokens"] for run in ours_runs),
+                        "ratio": median(ratios),
+                        "ratios": ratios,
+                        "theirs_p50": theirs_p50,
+                        "theirs_p95": theirs_p95,
+                        "ours_p50": ours_p50,
+                        "ours_p95": ours_p95,
+                        "ours_lost": lost,
+                        "ours_wrong": wrong,
+                        "checked": len(checked),
+                        "ours_steps": sum(steps.values()),
+                        "ours_draft_steps": steps["draft"],
+                        "theirs_lost": sum(n - len(run["answers"]) for run in theirs_runs),
+                    }
                     rows.append(row)
-                    print(f"{mode:7s} {max_tokens:3d} tok, {clients:2d} clients: mlx_lm.server {row['theirs_tok_s']:6.1f} "
-                          f"tok/s (p50 {theirs_p50:.1f} s, p95 {theirs_p95:.1f} s) | ours "
-                          f"{row['ours_tok_s']:6.1f} tok/s (p50 {ours_p50:.1f} s, p95 {ours_p95:.1f} s) "
-                          f"| {row['ratio']:.2f}x (reps: {', '.join(f'{r:.2f}' for r in ratios)}) "
-                          f"| tokens {row['theirs_tokens']} / {row['ours_tokens']} | ours drafted {steps['draft']} of "
-                          f"{row['ours_steps']} steps, lost {lost}, not equal to generate() {wrong}", flush=True)
+                    print(
+                        f"{mode:7s} {max_tokens:3d} tok, {clients:2d} clients: mlx_lm.server {row['theirs_tok_s']:6.1f} "
+                        f"tok/s (p50 {theirs_p50:.1f} s, p95 {theirs_p95:.1f} s) | ours "
+                        f"{row['ours_tok_s']:6.1f} tok/s (p50 {ours_p50:.1f} s, p95 {ours_p95:.1f} s) "
+                        f"| {row['ratio']:.2f}x (reps: {', '.join(f'{r:.2f}' for r in ratios)}) "
+                        f"| tokens {row['theirs_tokens']} / {row['ours_tokens']} | ours drafted {steps['draft']} of "
+                        f"{row['ours_steps']} steps, lost {lost}, not equal to generate() {wrong}",
+                        flush=True,
+                    )
                     if args.out:  # after every level: a stopped run keeps what it measured
                         save(rows, Path(args.out), args)
     finally:
@@ -227,19 +302,28 @@ def save(rows: list[dict], out: Path, args) -> None:
     from dflash_mlx.bench.harness import machine
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"machine": machine(), "command": " ".join(sys.argv),
-                                                  "rows": rows}, indent=1))
-    lines = [f"Machine: {machine()}", f"Command: `python {' '.join(sys.argv)}`", "",
-             "| mode | tokens | clients | mlx_lm.server tok/s | p50 / p95 s | ours tok/s | p50 / p95 s | ours / theirs "
-             "| ours steps drafted | ours lost / not exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+    (out / "results.json").write_text(
+        json.dumps({"machine": machine(), "command": " ".join(sys.argv), "rows": rows}, indent=1)
+    )
+    lines = [
+        f"Machine: {machine()}",
+        f"Command: `python {' '.join(sys.argv)}`",
+        "",
+        "| mode | tokens | clients | mlx_lm.server tok/s | p50 / p95 s | ours tok/s | p50 / p95 s | ours / theirs "
+        "| ours steps drafted | ours lost / not exact |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['max_tokens']} | {r['clients']} | {r['theirs_tok_s']:.1f} | "
-                     f"{r['theirs_p50']:.1f} / {r['theirs_p95']:.1f} | {r['ours_tok_s']:.1f} | "
-                     f"{r['ours_p50']:.1f} / {r['ours_p95']:.1f} | **{r['ratio']:.2f}x** | "
-                     f"{r['ours_draft_steps']} / {r['ours_steps']} | {r['ours_lost']} / {r['ours_wrong']} |")
+        lines.append(
+            f"| {r['mode']} | {r['max_tokens']} | {r['clients']} | {r['theirs_tok_s']:.1f} | "
+            f"{r['theirs_p50']:.1f} / {r['theirs_p95']:.1f} | {r['ours_tok_s']:.1f} | "
+            f"{r['ours_p50']:.1f} / {r['ours_p95']:.1f} | **{r['ratio']:.2f}x** | "
+            f"{r['ours_draft_steps']} / {r['ours_steps']} | {r['ours_lost']} / {r['ours_wrong']} |"
+        )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:
         from dflash_mlx.bench.plots import _pyplot
+
         plt = _pyplot()
     except Exception:  # matplotlib is an extra: the table is the result
         return

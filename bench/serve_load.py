@@ -47,18 +47,24 @@ def main():
     failed, resident = False, []
     # one client per simulated user for the whole run: a client made per round would grow this
     # process's memory by itself (each builds its own TLS context and connection pool)
-    clients = [openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=3)
-               for _ in range(args.clients)]
+    clients = [
+        openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=3)
+        for _ in range(args.clients)
+    ]
     for round_ in range(1, args.rounds + 1):
         failed |= load_round(args, clients, server, expected, round_)
         resident.append(resident_mb())
-        print(f"round {round_}: MLX active memory {active_before:.0f} MB before, "
-              f"{mx.get_active_memory() / 1e6:.0f} MB after; resident {rss_before:.0f} MB before, "
-              f"{resident[-1]:.0f} MB after")
+        print(
+            f"round {round_}: MLX active memory {active_before:.0f} MB before, "
+            f"{mx.get_active_memory() / 1e6:.0f} MB after; resident {rss_before:.0f} MB before, "
+            f"{resident[-1]:.0f} MB after"
+        )
     if len(resident) > 2:
         growth = (resident[-1] - resident[1]) / resident[1]
-        print(f"resident size from round 2 to {len(resident)}: {100 * growth:+.1f}% "
-              f"({'plateau' if growth < 0.05 else 'STILL GROWING'})")
+        print(
+            f"resident size from round 2 to {len(resident)}: {100 * growth:+.1f}% "
+            f"({'plateau' if growth < 0.05 else 'STILL GROWING'})"
+        )
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
     http.should_exit = True
     sys.exit(1 if failed else 0)
@@ -86,8 +92,9 @@ def load_round(args, clients: list, server, expected: dict, round_: int) -> bool
             tic = time.perf_counter()
             try:
                 if rng.random() < 0.5:
-                    stream = local.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
-                                                           max_tokens=args.max_tokens, stream=True)
+                    stream = local.chat.completions.create(
+                        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=args.max_tokens, stream=True
+                    )
                     if rng.random() < args.drop:
                         next(iter(stream))
                         stream.close()
@@ -96,8 +103,13 @@ def load_round(args, clients: list, server, expected: dict, round_: int) -> bool
                         continue
                     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
                 else:
-                    text = local.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
-                                                         max_tokens=args.max_tokens).choices[0].message.content
+                    text = (
+                        local.chat.completions.create(
+                            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=args.max_tokens
+                        )
+                        .choices[0]
+                        .message.content
+                    )
             except openai.APIError as e:
                 with lock:
                     errors.append(repr(e))
@@ -119,10 +131,14 @@ def load_round(args, clients: list, server, expected: dict, round_: int) -> bool
     server.prompt_cache.entries.clear()
     mx.clear_cache()
     done = len(latencies)
-    print(f"round {round_}: {args.clients} clients x {args.requests} requests ({args.max_tokens} tokens each): "
-          f"{done} completed, {dropped[0]} dropped by the client, {len(errors)} errors, {len(wrong)} wrong outputs")
-    print(f"  {seconds:.1f} s, {done / seconds:.2f} requests/s, {done * args.max_tokens / seconds:.1f} tokens/s; "
-          f"latency median {median(latencies):.2f} s, max {max(latencies):.2f} s")
+    print(
+        f"round {round_}: {args.clients} clients x {args.requests} requests ({args.max_tokens} tokens each): "
+        f"{done} completed, {dropped[0]} dropped by the client, {len(errors)} errors, {len(wrong)} wrong outputs"
+    )
+    print(
+        f"  {seconds:.1f} s, {done / seconds:.2f} requests/s, {done * args.max_tokens / seconds:.1f} tokens/s; "
+        f"latency median {median(latencies):.2f} s, max {max(latencies):.2f} s"
+    )
     if wrong or errors:
         print("  FAILED:", (wrong + errors)[:3])
     return bool(wrong or errors)

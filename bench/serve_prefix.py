@@ -24,8 +24,13 @@ from dflash_mlx.serve import make_app, serve_in_background
 def ttft(client, messages) -> tuple[float, int]:
     tic = time.perf_counter()
     cached = 0
-    for chunk in client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
-                                                stream=True, stream_options={"include_usage": True}):
+    for chunk in client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices and chunk.choices[0].delta.content and tic:
             first, tic = time.perf_counter() - tic, 0
         if chunk.usage:
@@ -43,7 +48,9 @@ def main():
     questions = [q for q in load_prompts("mtbench", args.turns)]
     print(f"system prompt: {len(tokenizer.encode(system))} tokens; {args.turns} turns, each a new question")
     for label, cache_bytes in (("prefix reuse off", 0), ("prefix reuse on", 1 << 30)):
-        http, port = serve_in_background(make_app(model, tokenizer, "SmolLM2-135M-Instruct", prompt_cache_bytes=cache_bytes))
+        http, port = serve_in_background(
+            make_app(model, tokenizer, "SmolLM2-135M-Instruct", prompt_cache_bytes=cache_bytes)
+        )
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         times, cached = [], []
         for q in questions:
@@ -51,8 +58,10 @@ def main():
             times.append(t)
             cached.append(c)
         http.should_exit = True
-        print(f"{label}: time to first token {' / '.join(f'{t:.2f}' for t in times)} s "
-              f"(median after the first {median(times[1:]):.2f} s); cached prompt tokens {cached}")
+        print(
+            f"{label}: time to first token {' / '.join(f'{t:.2f}' for t in times)} s "
+            f"(median after the first {median(times[1:]):.2f} s); cached prompt tokens {cached}"
+        )
 
 
 if __name__ == "__main__":

@@ -85,8 +85,9 @@ def main():
 
     decoders = {"plain": plain}
     for w in widths:
-        decoders[f"z-lab {w}"] = lambda p, w=w: zlab.stream_generate(theirs, zdraft, tokenizer, p, block_size=w,
-                                                                     max_tokens=args.max_tokens)
+        decoders[f"z-lab {w}"] = lambda p, w=w: zlab.stream_generate(
+            theirs, zdraft, tokenizer, p, block_size=w, max_tokens=args.max_tokens
+        )
         decoders[f"ours {w}"] = lambda p, w=w: stream_generate(ours, tokenizer, p, args.max_tokens, block_size=w)
     decoders["ours adaptive"] = lambda p: stream_generate(ours, tokenizer, p, args.max_tokens)
 
@@ -101,7 +102,7 @@ def main():
         for s in sets:
             for i, text in enumerate(load_prompts(s, args.prompts)):
                 prompt = format_prompt(tokenizer, text)
-                order = names[i % len(names):] + names[:i % len(names)]
+                order = names[i % len(names) :] + names[: i % len(names)]
                 outputs = {d: run(decoders[d](prompt)) for d in order}
                 reference = without_eos(outputs["plain"][0], tokenizer)
                 for d, (tokens, tps, tau) in outputs.items():
@@ -115,8 +116,10 @@ def main():
     print("|---" * (1 + len(names) + len(widths)) + "|")
     for s in sets + ["all"]:
         rows = {d: [r for t in (sets if s == "all" else [s]) for r in results[t][d]] for d in names}
-        cells = [f"{median(r[0] for r in rows[d]):.1f}" + ("" if d == "plain" else f" ({median(r[1] for r in rows[d]):.2f})")
-                 for d in names]
+        cells = [
+            f"{median(r[0] for r in rows[d]):.1f}" + ("" if d == "plain" else f" ({median(r[1] for r in rows[d]):.2f})")
+            for d in names
+        ]
         ratios = [f"{median(a[0] / b[0] for a, b in zip(rows[f'ours {w}'], rows[f'z-lab {w}'])):.2f}x" for w in widths]
         print(f"| {s} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
 

@@ -48,18 +48,35 @@ def main():
             for layer_types in (["full_attention"] * 2, ["sliding_attention", "full_attention"]):
                 extra = {"sliding_window": 8} if "sliding_attention" in layer_types else {}
                 folder = Path(tmp) / f"d2-{model_type}-{layer_types[0]}"
-                save_draft(random_dflash2(target, seed=3, layer_ids=(0, 2), block_size=6, layer_types=layer_types,
-                                          **extra), folder)
+                save_draft(
+                    random_dflash2(target, seed=3, layer_ids=(0, 2), block_size=6, layer_types=layer_types, **extra),
+                    folder,
+                )
                 ours = load_draft(folder, dtype=mx.float32).bind(target)
                 theirs = parity.zlab.load_draft(str(folder)).bind(target.model)
-                rows.append((f"DFlash 2, {layer_types[0].split('_')[0]} first layer", model_type,
-                             relative_error(ours, theirs, target)))
+                rows.append(
+                    (
+                        f"DFlash 2, {layer_types[0].split('_')[0]} first layer",
+                        model_type,
+                        relative_error(ours, theirs, target),
+                    )
+                )
     print("| drafter | target | max relative error of block logits |\n|---|---|---|")
     for drafter, model_type, error in rows:
         print(f"| {drafter} | {model_type} | {error:.1e} |")
     print("\n| target family | features and logits vs z-lab's layer hooks |\n|---|---|")
-    for model_type in ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "gemma4",
-                       "deepseek_v3", "kimi_k25"):
+    for model_type in (
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_5",
+        "qwen3_next",
+        "gpt_oss",
+        "gemma4_text",
+        "gemma4",
+        "deepseek_v3",
+        "kimi_k25",
+    ):
         target, twin = tiny_target(model_type, seed=5), tiny_model(model_type, seed=5)
         parity.zlab._patch_model(twin, [0, 1, 3])
         logits, features = target(PROMPT, target.make_cache(), [0, 1, 3])

@@ -14,7 +14,7 @@ from .api import (  # noqa: E402
     stream_generate,
 )
 from .drafters import DFlashDraftModel, DraftArgs, load_draft  # noqa: E402
-from .engine import DecodeStats, DFlashModel  # noqa: E402
+from .model import DecodeStats, DFlashModel  # noqa: E402
 from .grammar import Grammar  # noqa: E402
 from .target import Target  # noqa: E402
 

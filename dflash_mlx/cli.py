@@ -50,9 +50,15 @@ def user_errors(command):
     return run
 
 
-DISTRIBUTED = typer.Option(None, "--distributed", help="'pipeline': split the target's layers over the ranks of mlx.launch.")
-SPLIT = typer.Option(None, "--split", help="With --distributed: layers per rank, rank 0 (the last layers) first, e.g. 10,20.")
-TIMEOUT = typer.Option(60.0, "--timeout", help="With --distributed: seconds a rank waits for the others before giving up.")
+DISTRIBUTED = typer.Option(
+    None, "--distributed", help="'pipeline': split the target's layers over the ranks of mlx.launch."
+)
+SPLIT = typer.Option(
+    None, "--split", help="With --distributed: layers per rank, rank 0 (the last layers) first, e.g. 10,20."
+)
+TIMEOUT = typer.Option(
+    60.0, "--timeout", help="With --distributed: seconds a rank waits for the others before giving up."
+)
 
 
 def pipeline_options(distributed: Optional[str], split: Optional[str], timeout: float) -> dict:
@@ -87,19 +93,29 @@ def main():
 @user_errors
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter HF repo or local dir (default: the model's published drafter)."),
-    quant: Optional[int] = typer.Option(None, "--quant", help="Use the mlx-community 4- or 8-bit target of a short name."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."
+    ),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", help="Drafter HF repo or local dir (default: the model's published drafter)."
+    ),
+    quant: Optional[int] = typer.Option(
+        None, "--quant", help="Use the mlx-community 4- or 8-bit target of a short name."
+    ),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Maximum tokens to generate."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Fixed verify width (default: adaptive, up to the drafter's block size)."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", help="Fixed verify width (default: adaptive, up to the drafter's block size)."
+    ),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed the prompt raw."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain target decoding through the same loop."),
-    no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks (default: pick the width per cycle)."),
+    no_adaptive: bool = typer.Option(
+        False, "--no-adaptive", help="Always verify full blocks (default: pick the width per cycle)."
+    ),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print what was loaded and the formatted prompt."),
     distributed: Optional[str] = DISTRIBUTED,
@@ -120,8 +136,9 @@ def generate(
     pipeline = pipeline_options(distributed, split, timeout)
     SamplingParams(temp, top_p, top_k)  # checked before the model loads
     # a fixed width needs no cost curve
-    pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft,
-                           adaptive=not no_adaptive and block_size is None, **pipeline)
+    pair, tokenizer = load(
+        model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive and block_size is None, **pipeline
+    )
     if distributed is not None and not pair.target.is_driver:
         pair.target.follow()  # rank 0 prints
         return
@@ -131,17 +148,30 @@ def generate(
         typer.echo(f"BLAS: {blas.status()}", err=True)
         typer.echo(f"target: {pair.target.model_type}, {pair.target.num_layers} layers", err=True)
         if pair.draft is not None:
-            typer.echo(f"drafter: {len(pair.draft.layers)} layers, block {pair.draft.block_size}, "
-                       f"target layers {pair.draft.target_layer_ids}", err=True)
-        if pair.chooser is not None:
-            typer.echo(f"adaptive width, this machine: {pair.chooser.cost.describe()}", err=True)
+            typer.echo(
+                f"drafter: {len(pair.draft.layers)} layers, block {pair.draft.block_size}, "
+                f"target layers {pair.draft.target_layer_ids}",
+                err=True,
+            )
+        if pair.planner is not None:
+            typer.echo(f"adaptive width, this machine: {pair.planner.cost.describe()}", err=True)
     tokens = format_prompt(tokenizer, prompt, system, chat_template=not no_chat_template)
     if verbose:
         typer.echo(tokenizer.decode(tokens), err=True)
     last, ranks = None, None
     try:
-        for last in stream_generate(pair, tokenizer, tokens, max_tokens, temp=temp, top_p=top_p,
-                                    top_k=top_k, seed=seed, block_size=block_size, stop=stop):
+        for last in stream_generate(
+            pair,
+            tokenizer,
+            tokens,
+            max_tokens,
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            block_size=block_size,
+            stop=stop,
+        ):
             typer.echo(last.text, nl=False)
     except DistributedError:
         raise  # the other ranks are gone or stuck: nothing to release
@@ -162,7 +192,9 @@ def generate(
 @app.command()
 @user_errors
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."
+    ),
     draft: Optional[str] = typer.Option(None, "--draft", help="Drafter HF repo or local dir."),
     quant: Optional[int] = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve plain target decoding."),
@@ -172,9 +204,13 @@ def serve(
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait; more get 429."),
     max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded together (1: one at a time)."),
     max_batch_tokens: Optional[int] = typer.Option(
-        None, "--max-batch-tokens", help="Tokens a batch's caches may hold, rows x the longest row (default 32768); "
-                                         "a longer request runs alone."),
-    prompt_cache_bytes: int = typer.Option(1 << 30, "--prompt-cache-bytes", help="Memory for reusable prompt prefixes (0: off)."),
+        None,
+        "--max-batch-tokens",
+        help="Tokens a batch's caches may hold, rows x the longest row (default 32768); a longer request runs alone.",
+    ),
+    prompt_cache_bytes: int = typer.Option(
+        1 << 30, "--prompt-cache-bytes", help="Memory for reusable prompt prefixes (0: off)."
+    ),
     distributed: Optional[str] = DISTRIBUTED,
     split: Optional[str] = SPLIT,
     timeout: float = TIMEOUT,
@@ -186,7 +222,12 @@ def serve(
         fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
     if quant not in (None, 4, 8):
         fail(f"--quant must be 4 or 8, got {quant}")
-    if max_queue < 1 or max_batch < 1 or (max_batch_tokens is not None and max_batch_tokens < 1) or not 0 < port < 65536:
+    if (
+        max_queue < 1
+        or max_batch < 1
+        or (max_batch_tokens is not None and max_batch_tokens < 1)
+        or not 0 < port < 65536
+    ):
         fail("--max-queue, --max-batch and --max-batch-tokens must be >= 1 and --port in 1..65535")
     from .api import load
 
@@ -202,17 +243,23 @@ def serve(
                 pass
             return
         if prompt_cache_bytes:
-            typer.secho("note: prefix reuse is off with --distributed (the other ranks' caches are not "
-                        "snapshotted yet)", err=True, fg=typer.colors.YELLOW)
+            typer.secho(
+                "note: prefix reuse is off with --distributed (the other ranks' caches are not snapshotted yet)",
+                err=True,
+                fg=typer.colors.YELLOW,
+            )
             prompt_cache_bytes = 0
     name = model or "SmolLM2-135M-Instruct"
     server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes, max_batch, max_batch_tokens)
     if server.batch_refusal:
-        typer.secho(f"note: requests are decoded one at a time ({server.batch_refusal})", err=True,
-                    fg=typer.colors.YELLOW)
-    typer.secho(f"serving {name} on http://{host}:{port}/v1 (drafter: "
-                f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}); Ctrl-C stops",
-                err=True)
+        typer.secho(
+            f"note: requests are decoded one at a time ({server.batch_refusal})", err=True, fg=typer.colors.YELLOW
+        )
+    typer.secho(
+        f"serving {name} on http://{host}:{port}/v1 (drafter: "
+        f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}); Ctrl-C stops",
+        err=True,
+    )
     try:
         run(server, host, port)
     finally:
@@ -228,11 +275,19 @@ def serve(
 def make_data(
     out: str = typer.Option(..., "--out", "-o", help="Data directory (resumes if it exists)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
-    prompts: str = typer.Option("builtin", "--prompts", help="'builtin' (or 'builtin:SEED' for another draw), a .txt (one per line) or .jsonl ({\"prompt\": ...}) file."),
+    prompts: str = typer.Option(
+        "builtin",
+        "--prompts",
+        help="'builtin' (or 'builtin:SEED' for another draw), a .txt (one per line) or .jsonl ({\"prompt\": ...}) file.",
+    ),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Longest response per prompt."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Stop after about this many response tokens."),
     batch_size: int = typer.Option(64, "--batch-size", help="Prompts generated together (batched decoding)."),
-    temp: float = typer.Option(0.0, "--temp", help="0: greedy responses; > 0: sampled ones (more varied text; labelled where the target's greedy choice agrees)."),
+    temp: float = typer.Option(
+        0.0,
+        "--temp",
+        help="0: greedy responses; > 0: sampled ones (more varied text; labelled where the target's greedy choice agrees).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of sampled responses."),
 ):
     """Generate the target's own responses (self-distillation data)."""
@@ -251,7 +306,7 @@ def make_data(
     texts = read_prompts(prompts)
     writable(Path(out), "data")
     pair, tokenizer = load(model, use_draft=False)
-    path = run(pair.target.model, tokenizer, texts, out, max_tokens, budget, batch_size, temp=temp, seed=seed)
+    path = run(pair.target, tokenizer, texts, out, max_tokens, budget, batch_size, temp=temp, seed=seed)
     typer.echo(f"data in {path}")
 
 
@@ -301,27 +356,54 @@ def _width_list(text: str) -> list[int]:
 @train_app.command("fit")
 @user_errors
 def fit(
-    data: str = typer.Option(..., "--data", "-d", help="Data dir from `train make-data` (comma-separated for several; the held-out examples are the first dir's last)."),
+    data: str = typer.Option(
+        ...,
+        "--data",
+        "-d",
+        help="Data dir from `train make-data` (comma-separated for several; the held-out examples are the first dir's last).",
+    ),
     out: str = typer.Option(..., "--out", "-o", help="Drafter dir to write (resumes from its checkpoint)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
     block_size: int = typer.Option(16, "--block-size"),
     layers: int = typer.Option(1, "--layers", help="Drafter layers."),
-    arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (block convolutions + candidate selector; from a DFlash 1 --init-from it grows into one)."),
+    arch: str = typer.Option(
+        "dflash",
+        "--arch",
+        help="dflash, or dflash2 (block convolutions + candidate selector; from a DFlash 1 --init-from it grows into one).",
+    ),
     target_layers: int = typer.Option(5, "--target-layers", help="How many target layers feed the drafter."),
-    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated; default: stratified."),
+    target_layer_ids: Optional[str] = typer.Option(
+        None, "--target-layer-ids", help="Comma-separated; default: stratified."
+    ),
     gamma: float = typer.Option(4.0, "--gamma", help="Loss weight decay along the block."),
     epochs: int = typer.Option(10, "--epochs", help="Passes over the self-distilled data (unless --steps)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
     lr: float = typer.Option(1e-3, "--lr"),
     sequences_per_step: int = typer.Option(8, "--sequences-per-step"),
-    text_fraction: float = typer.Option(0.0, "--text-fraction", help="Share of each step's sequences taken from teacher-forced standard-library text."),
+    text_fraction: float = typer.Option(
+        0.0, "--text-fraction", help="Share of each step's sequences taken from teacher-forced standard-library text."
+    ),
     text_window: int = typer.Option(256, "--text-window", help="Tokens per text window."),
-    block_positions: int = typer.Option(256, "--block-positions", help="Block positions per sequence and step (random anchors)."),
-    block_widths: Optional[str] = typer.Option(None, "--block-widths", help="Cut each training block to a verify width drawn from these (e.g. 2,3,4 or 2-16): the widths the loop drafts at; default: blocks as long as their labels."),
-    head_size: int = typer.Option(8192, "--head-size", help="Token ids in the training loss's output vocabulary (most frequent)."),
-    distill: float = typer.Option(0.0, "--distill", help="Weight in [0, 1] of KL(target || drafter) in the loss (the rest: the hard greedy label)."),
+    block_positions: int = typer.Option(
+        256, "--block-positions", help="Block positions per sequence and step (random anchors)."
+    ),
+    block_widths: Optional[str] = typer.Option(
+        None,
+        "--block-widths",
+        help="Cut each training block to a verify width drawn from these (e.g. 2,3,4 or 2-16): the widths the loop drafts at; default: blocks as long as their labels.",
+    ),
+    head_size: int = typer.Option(
+        8192, "--head-size", help="Token ids in the training loss's output vocabulary (most frequent)."
+    ),
+    distill: float = typer.Option(
+        0.0,
+        "--distill",
+        help="Weight in [0, 1] of KL(target || drafter) in the loss (the rest: the hard greedy label).",
+    ),
     eval_every: int = typer.Option(0, "--eval-every", help="Steps between held-out tau checks (0: end only)."),
-    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Steps between checkpoints (a stopped run resumes from the last)."),
+    checkpoint_every: int = typer.Option(
+        200, "--checkpoint-every", help="Steps between checkpoints (a stopped run resumes from the last)."
+    ),
     no_init_from_target: bool = typer.Option(False, "--no-init-from-target"),
     init_from: Optional[str] = typer.Option(None, "--init-from", help="Warm-start from an existing drafter dir."),
     fresh: bool = typer.Option(False, "--fresh", help="Ignore an existing checkpoint."),
@@ -344,14 +426,29 @@ def fit(
     if text_window < 2:
         fail(f"--text-window must be >= 2, got {text_window}")
     widths = _width_list(block_widths) if block_widths else None
-    cfg = TrainConfig(block_size=block_size, num_layers=layers, architecture=arch, num_target_layers=len(ids) if ids else target_layers,
-                      target_layer_ids=ids, gamma=gamma, epochs=epochs, steps=steps, lr=lr,
-                      sequences_per_step=sequences_per_step, text_fraction=text_fraction,
-                      text_window=text_window, block_positions=block_positions, block_widths=widths,
-                      head_size=head_size,
-                      distill=distill, eval_every=eval_every,
-                      checkpoint_every=checkpoint_every,
-                      init_from_target=not no_init_from_target, init_from=init_from, seed=seed)
+    cfg = TrainConfig(
+        block_size=block_size,
+        num_layers=layers,
+        architecture=arch,
+        num_target_layers=len(ids) if ids else target_layers,
+        target_layer_ids=ids,
+        gamma=gamma,
+        epochs=epochs,
+        steps=steps,
+        lr=lr,
+        sequences_per_step=sequences_per_step,
+        text_fraction=text_fraction,
+        text_window=text_window,
+        block_positions=block_positions,
+        block_widths=widths,
+        head_size=head_size,
+        distill=distill,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        init_from_target=not no_init_from_target,
+        init_from=init_from,
+        seed=seed,
+    )
     writable(Path(out))  # before the long work, not at its first checkpoint
     pair, tokenizer = load(model, use_draft=False)
     examples = read_datasets(data, target_fingerprint(pair.target, tokenizer))
@@ -359,8 +456,12 @@ def fit(
     resumed = None if fresh else checkpoint_config(out)  # a resumed run keeps its own recipe
     if (resumed or {}).get("text_fraction", text_fraction) > 0:
         console.print("Cutting standard-library text into windows (no benchmark overlap)", style="dim")
-        text = text_windows(tokenizer, (resumed or {}).get("text_window", text_window),
-                            seed=(resumed or {}).get("seed", seed), exclude=benchmark_shingles())
+        text = text_windows(
+            tokenizer,
+            (resumed or {}).get("text_window", text_window),
+            seed=(resumed or {}).get("seed", seed),
+            exclude=benchmark_shingles(),
+        )
     run(pair.target, tokenizer, examples, out, cfg, text=text, resume=not fresh, log=console.print)
     typer.echo(f"drafter in {out}")
 
@@ -369,8 +470,15 @@ def fit(
 @user_errors
 def evaluate(
     draft: str = typer.Option(..., "--draft", help="Drafter dir to evaluate."),
-    data: Optional[str] = typer.Option(None, "--data", "-d", help="Data dir(s), as in fit: the first dir's last --prompts examples are the held-out set."),
-    sets: Optional[str] = typer.Option(None, "--sets", help="Benchmark prompt sets instead (comma-separated: gsm8k, humaneval, mtbench, ...)."),
+    data: Optional[str] = typer.Option(
+        None,
+        "--data",
+        "-d",
+        help="Data dir(s), as in fit: the first dir's last --prompts examples are the held-out set.",
+    ),
+    sets: Optional[str] = typer.Option(
+        None, "--sets", help="Benchmark prompt sets instead (comma-separated: gsm8k, humaneval, mtbench, ...)."
+    ),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
     prompts: int = typer.Option(8, "--prompts", help="Held-out examples (as in fit), or prompts per set."),
     max_tokens: int = typer.Option(96, "--max-tokens"),
@@ -391,16 +499,21 @@ def evaluate(
     if sets is not None:
         from .bench.prompt_sets import load_prompts
 
-        groups = {name: [format_prompt(tokenizer, p) for p in load_prompts(name.strip(), prompts)]
-                  for name in sets.split(",") if name.strip()}
+        groups = {
+            name: [format_prompt(tokenizer, p) for p in load_prompts(name.strip(), prompts)]
+            for name in sets.split(",")
+            if name.strip()
+        }
     else:
         held_out, _ = split_held_out(read_datasets(data, target_fingerprint(pair.target, tokenizer)), prompts)
         groups = {"held-out": [e.prompt_ids for e in held_out]}
     for name, group in groups.items():
         lengths = committed_lengths(pair.target, pair.draft, group, max_tokens, width)
         rates = " ".join(f"{r:.2f}" for r in position_acceptance(lengths, width))
-        typer.echo(f"{name}: tau {sum(lengths) / max(len(lengths), 1):.3f} ({len(group)} prompts, block {width}, "
-                   f"greedy, {max_tokens} tokens); acceptance by position: {rates}")
+        typer.echo(
+            f"{name}: tau {sum(lengths) / max(len(lengths), 1):.3f} ({len(group)} prompts, block {width}, "
+            f"greedy, {max_tokens} tokens); acceptance by position: {rates}"
+        )
 
 
 @app.command()
@@ -408,7 +521,11 @@ def evaluate(
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: offline SmolLM2 + its drafter)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Drafter repo or dir."),
-    sets: str = typer.Option("gsm8k,humaneval,mtbench,math500", "--sets", help="Comma-separated: gsm8k, humaneval, mtbench, math500, aime, long (~1.5k-token prompts)."),
+    sets: str = typer.Option(
+        "gsm8k,humaneval,mtbench,math500",
+        "--sets",
+        help="Comma-separated: gsm8k, humaneval, mtbench, math500, aime, long (~1.5k-token prompts).",
+    ),
     prompts_per_set: int = typer.Option(10, "--prompts-per-set", "-n"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     modes: str = typer.Option("greedy", "--modes", help="greedy, sampled, or both comma-separated."),
@@ -429,8 +546,17 @@ def bench(
 
     writable(Path(out), "results")
     pair, tokenizer = load(model, draft, adaptive=not no_adaptive)
-    results = run_bench(pair, tokenizer, [s.strip() for s in sets.split(",")], prompts_per_set, max_tokens,
-                        chosen_modes, out, block_size, label=model or "SmolLM2-135M-Instruct")
+    results = run_bench(
+        pair,
+        tokenizer,
+        [s.strip() for s in sets.split(",")],
+        prompts_per_set,
+        max_tokens,
+        chosen_modes,
+        out,
+        block_size,
+        label=model or "SmolLM2-135M-Instruct",
+    )
     from .bench.harness import markdown
 
     typer.echo(markdown(results))
@@ -444,7 +570,9 @@ def convert_draft(
     out: str = typer.Argument(..., help="Output drafter dir."),
     q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Quantize linear layers to 4 or 8 bits."),
     q_group_size: int = typer.Option(64, "--q-group-size", help="32, 64 or 128."),
-    quantize_fc: bool = typer.Option(True, "--quantize-fc/--no-quantize-fc", help="Quantize the feature projection too."),
+    quantize_fc: bool = typer.Option(
+        True, "--quantize-fc/--no-quantize-fc", help="Quantize the feature projection too."
+    ),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 or float32 (never float16: it overflows)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output dir."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be written and stop."),
@@ -463,7 +591,9 @@ def convert_target(
     out: str = typer.Argument(..., help="Output mlx-lm model dir."),
     q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Quantize an HF target to 4 or 8 bits (mlx-lm)."),
     q_group_size: int = typer.Option(64, "--q-group-size"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="HF: float16/bfloat16/float32. GGUF: native (keep Q4/Q8) or a float dtype."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="HF: float16/bfloat16/float32. GGUF: native (keep Q4/Q8) or a float dtype."
+    ),
     force: bool = typer.Option(False, "--force"),
     dry_run: bool = typer.Option(False, "--dry-run"),
 ):

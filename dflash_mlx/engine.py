@@ -1,240 +1,378 @@
-"""The DFlash decode loop, at the token level.
+"""The DFlash decode loop: one step for one request or many.
 
-    prefill  the prompt through the target, injecting its features into the drafter
-    repeat:
-      draft     [last token, mask x (w-1)] -> w-1 tokens, one drafter pass
-      verify    [last token] + draft       -> logits + features, one target pass
-      accept    longest agreeing prefix (n tokens) + one token from the target
-      roll back target caches to the n+1 tokens kept; their features go to the drafter
+    join     waiting prompts are prefilled together, one chunk each per step in one target
+             pass, all but their last token (from the longest prefix the prompt cache
+             holds); then they join the decoding rows, the last token being their first
+             step's block
+    plan     each row's proposal and the step's verify width (plan.py)
+    propose  per row: the drafter ([last token, MASK x (w-1)], one pass for the rows drafting
+             at one width), the prompt lookup's tokens, or nothing (plain decoding)
+    verify   one target pass over every row's [last token] + proposal: logits + features
+    accept   each row keeps its longest agreeing prefix + one token of the target's own
+    roll back each row's target caches to the tokens it kept; their features go to the
+             drafter's context (injected when it next drafts)
 
-Without a drafter the same loop runs with w = 1: plain target decoding.  With a
-WidthChooser (adaptive.py) and no fixed block size, each cycle's plan is chosen:
-plain, the drafter at width w, or the prompt lookup's proposal (lookup.py), which
-is verified the same way and costs no drafter pass.
-Consecutive plain cycles are pipelined (the next pass is queued before the
-current token is read), as in mlx-lm's generate_step.  The drafter reads the
-target's features only when it drafts, so they are injected then, all the
-positions since its last draft in one pass (`Context`).
+One request alone is a batch of one (`decode`), on the target's own caches; several share
+mlx-lm's batch caches (rollback.py rolls each row back to its own prefix).  When a step is
+plain for every row and so is the next, the next pass is queued before this one's tokens
+are read (as mlx-lm's generate_step does), so its graph is built while this one computes.
+
+Every row's output is what it gets alone: greedy chooses the same tokens, sampling draws
+the same noise per (seed, position) (sampling.py), whatever the widths and the batch.
 """
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .adaptive import PLAIN, Plan, WidthChooser
-from .drafters import DFlashDraftModel
 from .grammar import Grammar, masked
-from .lookup import PromptLookup
+from .model import DecodeStats, DFlashModel, Step
+from .plan import PLAIN, Plan, fixed_plan
 from .prompt_cache import PromptCache
-from .sampling import Noise, SamplingParams, TokenLogprob, accept, choose, new_seed, token_logprobs
-from .target import Target, TargetCache
+from .request import Context, Request
+from .sampling import SamplingParams, accept, choose
+from .target import BatchTargetCache, TargetCache
 
 PREFILL_STEP = 512
 
 
 @dataclass
-class DFlashModel:
-    """A target with an optional drafter bound to it."""
+class BatchStep:
+    """What one step did: the batch size and verify width, and each row's committed tokens."""
 
-    target: Target
-    draft: Optional[DFlashDraftModel] = None
-    draft_note: str = ""  # why there is no drafter, when there is none
-    chooser: Optional[WidthChooser] = None  # adaptive verify width, kept across generations
-
-    @property
-    def feature_layers(self) -> list[int]:
-        return self.draft.target_layer_ids if self.draft else []
+    size: int
+    width: int
+    steps: dict  # uid -> Step
 
 
 @dataclass
-class DecodeStats:
-    """Tokens committed per cycle (accepted drafts + the target's own token)."""
+class Pass:
+    """A target pass over some rows, lazily: each row's (accepted count, next token)."""
 
-    block_size: int = 1
-    accepted_lengths: list[int] = field(default_factory=list)
-    widths: list[int] = field(default_factory=list)  # verify width of each cycle (1 = plain)
-    sources: list[str] = field(default_factory=list)  # what proposed each cycle: plain, dflash or lookup
-    prompt_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    cached_tokens: int = 0  # prompt tokens restored from a prompt cache instead of prefilled
+    uids: list[int]
+    plans: list[Plan]
+    proposals: list[mx.array]
+    choices: list[tuple[mx.array, mx.array]]
+    logits: mx.array
+    features: Optional[mx.array]
 
-    @property
-    def cycles(self) -> int:
-        return len(self.accepted_lengths)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per target verification (bonus token included)."""
-        return sum(self.accepted_lengths) / max(1, self.cycles)
-
-    @property
-    def plain_cycles(self) -> int:
-        return sum(w == 1 for w in self.widths)
-
-    @property
-    def source_counts(self) -> dict[str, int]:
-        return dict(Counter(self.sources))
-
-    @property
-    def histogram(self) -> list[int]:
-        """histogram[k-1] = number of cycles that committed k tokens, k = 1..block_size."""
-        counts = Counter(self.accepted_lengths)
-        return [counts.get(k, 0) for k in range(1, self.block_size + 1)]
-
-
-@dataclass
-class Step:
-    tokens: list[int]  # committed this cycle, in order
-    accepted: int  # how many of them were draft tokens
-    logprobs: Optional[list[TokenLogprob]] = None  # per token, when asked for
-
-
-class Context:
-    """The drafter's cache of injected target features, plus the features of
-    positions committed since its last draft (injected when it next drafts:
-    one batched pass instead of one per plain step)."""
-
-    def __init__(self, model: DFlashModel):
-        self.draft = model.draft
-        self.cache = model.draft.make_cache() if model.draft is not None else None
-        self.pending: list[mx.array] = []
-
-    def add(self, features: Optional[mx.array]):
-        if self.draft is not None:
-            self.pending.append(features)
-
-    def flush(self) -> list:
-        """Inject what is pending; the drafter cache, ready to draft."""
-        if self.pending:
-            features = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=1)
-            self.draft.add_context(features, self.cache)
-            self.pending = []
-        return self.cache
-
-
-class Sequence:
-    """One request's decoding state beside its target cache: the drafter's context, the
-    sampling noise of each output position, the prompt lookup, the grammar, the stats."""
-
-    def __init__(self, model: DFlashModel, prompt: mx.array, params: SamplingParams, seed: Optional[int],
-                 stats: DecodeStats, lookup: bool, logprobs: Optional[int] = None,
-                 grammar: Optional[Grammar] = None):
-        self.params, self.stats, self.logprobs = params, stats, logprobs
-        self.context = Context(model)
-        self.position_noise = None if params.greedy else Noise(new_seed() if seed is None else seed,
-                                                                model.target.vocab_size)
-        self.lookup = PromptLookup(prompt.tolist()) if lookup else None
-        self.constraint = grammar.start() if grammar is not None else None
-
-    def noise(self, start: int, count: int) -> Optional[mx.array]:
-        """(count, vocab) noise of output positions start.. (None when greedy)."""
-        return None if self.position_noise is None else self.position_noise.at(start, count)
-
-    def noise_at(self, position: int) -> Optional[mx.array]:
-        return None if self.position_noise is None else self.position_noise.at(position, 1)[0]
-
-    def allowed_next(self) -> Optional[mx.array]:
-        """The grammar's mask of the next position (None without a grammar)."""
-        return None if self.constraint is None else self.constraint.masks([])[0]
-
-    def masks(self, proposal: list[int]) -> Optional[mx.array]:
-        """The grammar's masks after each prefix of `proposal` (None without a grammar)."""
-        return None if self.constraint is None else self.constraint.masks(proposal)
-
-    def step(self, committed: list[int], accepted: int, logits: mx.array) -> Step:
-        """The Step of tokens just committed, chosen from `logits` (one row per token)."""
-        if self.constraint is not None:
-            self.constraint.commit(committed)
-        if self.lookup is not None:
-            self.lookup.extend(committed)
-        return Step(committed, accepted, None if self.logprobs is None else
-                    token_logprobs(logits, committed, self.logprobs))
-
-
-def prefill(model: DFlashModel, prompt: mx.array, tcache: TargetCache, context: Context) -> Iterator[mx.array]:
-    """Run the prompt through the target in chunks; yield each chunk's last-position logits."""
-    layers = model.feature_layers
-    for start in range(0, prompt.size, PREFILL_STEP):
-        chunk = prompt[None, start : start + PREFILL_STEP]
-        logits, features = model.target(chunk, tcache, layers, logits_for_last_only=True)
-        context.add(features)
-        mx.eval(logits, tree_arrays([c.state for c in tcache.layers]), tree_arrays([c.state for c in context.flush() or []]))
-        if start + PREFILL_STEP < prompt.size:
-            mx.clear_cache()
-        yield logits[0, -1]
-
-
-def restore_prefix(model: DFlashModel, tokens: list[int], context: Context, prompt_cache: Optional[PromptCache],
-                   stats: DecodeStats) -> tuple[TargetCache, int]:
-    """A target cache holding the longest prefix of `tokens` that `prompt_cache` has (its
-    drafter context restored into `context`) and that prefix's length; without one, a fresh
-    cache and 0."""
-    if prompt_cache is not None and (hit := prompt_cache.fetch(tokens)) is not None:
-        tcache, context.cache, start = hit
-    else:
-        tcache, start = model.target.make_cache(), 0
-    stats.cached_tokens = start
-    return tcache, start
-
-
-def prefill_prompt(model: DFlashModel, prompt: mx.array, context: Context, prompt_cache: Optional[PromptCache],
-                   stats: DecodeStats) -> tuple[TargetCache, mx.array]:
-    """Prefill all but the last prompt token, then the last one alone (as mlx-lm does), so
-    a prompt gives the same logits whether or not `prompt_cache` held its prefix: the
-    longest stored prefix is restored, and the state before the last token is stored.
-    The target cache and the last position's logits."""
-    tokens = prompt.tolist()
-    tcache, start = restore_prefix(model, tokens, context, prompt_cache, stats)
-    if len(tokens) - 1 > start:
-        for _ in prefill(model, prompt[start:-1], tcache, context):
-            pass
-        if prompt_cache is not None:
-            prompt_cache.store(tokens[:-1], tcache, context.flush())
-    *_, logits = prefill(model, prompt[-1:], tcache, context)
-    return tcache, logits
+    def rows(self, uids: list[int]) -> "Pass":
+        """This pass restricted to the rows of `uids` (rows removed since it was queued)."""
+        if uids == self.uids:
+            return self
+        index = [self.uids.index(uid) for uid in uids]
+        rows = mx.array(index, dtype=mx.int32)
+        return Pass(
+            uids,
+            [self.plans[i] for i in index],
+            [self.proposals[i] for i in index],
+            [self.choices[i] for i in index],
+            self.logits[rows],
+            None if self.features is None else self.features[rows],
+        )
 
 
 def tree_arrays(tree) -> list[mx.array]:
     return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
 
 
-def draft(model: DFlashModel, last: mx.array, context: Context, width: int, params: SamplingParams,
-          noise: Optional[mx.array]) -> mx.array:
-    """Propose width - 1 tokens after `last` in one drafter pass (width >= 2), with the
-    noise of their output positions (`noise` covers the whole verify block)."""
-    return draft_rows(model, [last], [context], width, [params], [noise])[0]
-
-
-def draft_rows(model: DFlashModel, lasts: list[mx.array], contexts: list[Context], width: int,
-               params: list[SamplingParams], noises: list[Optional[mx.array]]) -> list[mx.array]:
-    """draft() for several rows at one width, in one drafter pass: each row's proposal is
-    what it drafts alone."""
+def draft_rows(
+    model: DFlashModel,
+    lasts: list[mx.array],
+    contexts: list[Context],
+    width: int,
+    params: list[SamplingParams],
+    noises: list[Optional[mx.array]],
+) -> list[mx.array]:
+    """Each row's width - 1 drafted tokens after its last token, in one drafter pass, with the
+    noise of their output positions (`noises` cover the whole verify block): what it drafts alone."""
     anchors = mx.concatenate([last.reshape(1) for last in lasts]).astype(mx.int32)[:, None]
     mask = mx.full((len(lasts), width - 1), model.draft.mask_token_id, dtype=mx.int32)
-    return model.draft.propose_rows(mx.concatenate([anchors, mask], axis=1), [c.flush() for c in contexts],
-                                    params, [None if noise is None else noise[:-1] for noise in noises])
+    return model.draft.propose_rows(
+        mx.concatenate([anchors, mask], axis=1),
+        [c.flush() for c in contexts],
+        params,
+        [None if noise is None else noise[:-1] for noise in noises],
+    )
 
 
-def plain_step(model: DFlashModel, last: mx.array, tcache: TargetCache, context: Context,
-               params: SamplingParams, noise: Optional[mx.array],
-               mask: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
-    """One target pass over `last` alone (nothing to verify or roll back): the next token and
-    the logits it was chosen from, lazily.  The position's features are kept for the drafter."""
-    logits, features = model.target(last.reshape(1, 1).astype(mx.int32), tcache, model.feature_layers)
-    context.add(features)
-    return choose(masked(logits[0, -1], mask), params, noise), logits[0]
+def restore_prefix(
+    model: DFlashModel, request: Request, prompt_cache: Optional[PromptCache]
+) -> tuple[TargetCache, int]:
+    """A target cache holding the longest prefix of the request's prompt that `prompt_cache`
+    has (its drafter context restored) and that prefix's length; else a fresh cache and 0."""
+    if prompt_cache is not None and (hit := prompt_cache.fetch(request.prompt)) is not None:
+        tcache, request.context.cache, start = hit
+    else:
+        tcache, start = model.target.make_cache(), 0
+    request.stats.cached_tokens = start
+    return tcache, start
 
 
-def verify(model: DFlashModel, last: mx.array, proposal: mx.array, tcache: TargetCache):
-    """Target logits and features at [last] + proposal, with the caches checkpointed."""
-    tokens = mx.concatenate([last.reshape(1).astype(mx.int32), proposal.astype(mx.int32)])[None]
-    tcache.checkpoint()
-    logits, features = model.target(tokens, tcache, model.feature_layers)
-    return logits[0], features
+class Decoder:
+    """Up to `max_batch` requests decoded together, one `step()` at a time.  With `max_batch`
+    1 a request decodes on the target's own caches (any target, the pipeline-parallel one
+    included); above, on mlx-lm's batch caches.  With `max_batch_tokens`, a request joins only
+    while the batch's caches stay within that many tokens (rows x the longest row, padding
+    included, at its longest: batch caches hold every row at the longest one's length); a
+    request too long for the bound runs alone once the batch is empty."""
+
+    def __init__(
+        self,
+        model: DFlashModel,
+        prompt_cache: Optional[PromptCache] = None,
+        max_batch: int = 8,
+        max_batch_tokens: Optional[int] = None,
+        clock: Optional[Callable[[], float]] = None,
+    ):
+        self.model, self.prompt_cache, self.clock = model, prompt_cache, clock or time.perf_counter
+        self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
+        self.rows: list[Request] = []  # decoding, in the cache's row order
+        self.cache = None  # TargetCache (max_batch 1) or BatchTargetCache
+        self.filling: list[Request] = []  # prefilling together, in the fill cache's row order
+        self.fill_cache = None
+        self.waiting: list[Request] = []  # queued until there is room
+        self._queued: Optional[Pass] = None  # the next plain pass, already running
+        self._next_uid = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.filling or self.waiting)
+
+    def add(self, request: Request) -> int:
+        """Queue a request; its uid.  Its Steps come out of step()."""
+        request.uid, self._next_uid = self._next_uid, self._next_uid + 1
+        request.begin(self.model)
+        self.waiting.append(request)
+        return request.uid
+
+    def remove(self, *uids: int) -> None:
+        """Drop requests (finished, stopped or cancelled); their rows are freed before the next step."""
+        self.waiting = [row for row in self.waiting if row.uid not in uids]
+        self.filling, self.fill_cache = self._without(self.filling, self.fill_cache, uids)
+        self.rows, self.cache = self._without(self.rows, self.cache, uids)
+        if self._queued is not None:
+            self._queued = self._queued.rows([row.uid for row in self.rows]) if self.rows else None
+        if not self.busy and self.model.planner is not None:
+            self.model.planner.step_times.flush()  # idle: keep what was learnt for the next process
+
+    def step(self) -> BatchStep:
+        """One prefill chunk of the requests joining (those with room start theirs), then one
+        decode step of the rows.  Rows that reach their max_tokens leave by themselves.  A
+        queued pass is for the rows as they were: it is taken before anyone joins."""
+        pipelined = self._queued is not None
+        if not pipelined:
+            self._join()
+        steps, size, width = {}, len(self.rows), 0
+        if self.rows:
+            width = self._decode(steps)
+        if pipelined:
+            self._join()
+        self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
+        return BatchStep(size, width, steps)
+
+    # ------------------------------------------------------------ joining
+
+    def _join(self) -> None:
+        self._admit()
+        if self.filling:
+            self._fill()
+
+    def _admit(self) -> None:
+        """Waiting requests start their prefill (first come, first served: a long request waits
+        for room instead of being overtaken for ever) from the longest prefix the prompt cache
+        holds; one with nothing left to prefill joins the decoding rows at once."""
+        while self.waiting and self._room_for(self.waiting[0]):
+            row = self.waiting.pop(0)
+            tcache, start = restore_prefix(self.model, row, self.prompt_cache)
+            row.unfilled = row.prompt[start:-1]
+            if row.unfilled:
+                self.filling.append(row)
+                self.fill_cache = self._joined(self.fill_cache, [tcache])
+            else:
+                self._enter([row], [tcache])
+
+    def _room_for(self, row: Request) -> bool:
+        others = self.rows + self.filling
+        if len(others) >= self.max_batch:
+            return False
+        if not others or self.max_batch_tokens is None:
+            return True
+        longest = max(
+            [row.most_tokens]
+            + [r.most_tokens for r in self.filling]
+            + ([self.cache.width + max(r.left for r in self.rows)] if self.rows else [])
+        )
+        return (len(others) + 1) * longest <= self.max_batch_tokens
+
+    def _fill(self) -> None:
+        """The next chunk of every filling row's prompt, in one target pass (right-padded to the
+        longest chunk, PREFILL_STEP tokens in all, so the decoding rows wait for one chunk's pass
+        only); the rows whose prompt is in join the decoding rows."""
+        rows, tic = self.filling, self.clock()
+        span = max(PREFILL_STEP // len(rows), 1)
+        chunks = [row.unfilled[:span] for row in rows]
+        lengths = [len(chunk) for chunk in chunks]
+        tokens = mx.array([chunk + [0] * (max(lengths) - len(chunk)) for chunk in chunks])
+        self.fill_cache.pad_right(lengths)
+        _, features = self.model.target(tokens, self.fill_cache, self.model.feature_layers, logits_for_last_only=True)
+        self.fill_cache.finalize()
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            row.context.add(None if features is None else features[i : i + 1, :n])
+            row.unfilled = row.unfilled[n:]
+        mx.eval(
+            tree_arrays([c.state for c in self.fill_cache.layers]),
+            tree_arrays([c.state for row in rows for c in row.context.flush() or []]),
+        )
+        seconds = self.clock() - tic
+        for row in rows:
+            row.stats.prompt_seconds += seconds
+        done = [i for i, row in enumerate(rows) if not row.unfilled]
+        if len(done) < len(rows):
+            mx.clear_cache()  # a long prompt's chunks: their activations are not kept
+        if done:
+            self._enter([rows[i] for i in done], [self.fill_cache.extract(i) for i in done])
+            self.filling, self.fill_cache = self._without(rows, self.fill_cache, {rows[i].uid for i in done})
+
+    def _enter(self, rows: list[Request], tcaches: list[TargetCache]) -> None:
+        """Rows holding all of their prompt but its last token join the decoding rows (the last
+        token is their first step's, as in a decode step); what was prefilled is kept for reuse."""
+        for row, tcache in zip(rows, tcaches):
+            if self.prompt_cache is not None and row.stats.cached_tokens < len(row.prompt) - 1:
+                self.prompt_cache.store(row.prompt[:-1], tcache, row.context.flush())
+        self.cache = self._settled(self._joined(self.cache, tcaches))
+        self.rows += rows
+
+    def _joined(self, batch, caches: list[TargetCache]):
+        """`batch` with rows holding `caches` appended (a new batch when there is none)."""
+        if self.max_batch == 1:
+            return caches[0]
+        rows = BatchTargetCache(caches)
+        if batch is None:
+            return rows
+        batch.extend(rows)
+        return batch
+
+    def _without(self, rows: list[Request], batch, uids) -> tuple[list[Request], object]:
+        """`rows` and their cache with the rows of `uids` dropped."""
+        kept = [i for i, row in enumerate(rows) if row.uid not in uids]
+        if len(kept) == len(rows):
+            return rows, batch
+        if not kept:
+            return [], None
+        batch.keep_rows(kept)
+        return [rows[i] for i in kept], self._settled(batch)
+
+    @staticmethod
+    def _settled(batch):
+        """`batch` with its rows' merge or filter computed now, not in the next decode step, whose
+        time teaches the planner what a step of its shape costs (traced: a plain step after a
+        join timed at 8x the curve, and its shape then judged too dear to run again)."""
+        mx.eval(tree_arrays([c.state for c in batch.layers]))
+        return batch
+
+    # ------------------------------------------------------------ decoding
+
+    def _decode(self, steps: dict) -> int:
+        rows, planner, started = self.rows, self.model.planner, self.clock()
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            done = queued
+        else:
+            plans = (
+                planner.plan(rows, self.model.draft is not None)
+                if planner
+                else [fixed_plan(row.block, row.left) for row in rows]
+            )
+            done = self._pass(rows, plans, [mx.array([row.token], dtype=mx.int32) for row in rows], 0)
+        width = max(plan.width for plan in done.plans)
+        if width == 1:
+            self._queue_next(rows, done)
+        mx.eval([choice for choice in done.choices], done.proposals)
+        keeps = []
+        for i, (row, plan, proposal, (n, next_token)) in enumerate(zip(rows, done.plans, done.proposals, done.choices)):
+            n = n.item()
+            keeps.append(n + 1)
+            row.context.add(None if done.features is None else done.features[i : i + 1, : n + 1])
+            steps[row.uid] = row.record(plan, proposal[:n].tolist() + [next_token.item()], n, done.logits[i, : n + 1])
+        if width > 1:
+            self.cache.rollback_rows(keeps)
+        seconds = self.clock() - started
+        if planner is not None:
+            planner.learn(rows, done.plans, [k - 1 for k in keeps], seconds)
+        for row in rows:
+            if row.produced == len(steps[row.uid].tokens):  # its first tokens: time to first token
+                row.stats.prompt_seconds += seconds
+            else:
+                row.stats.decode_seconds += seconds
+        return width
+
+    def _pass(self, rows: list[Request], plans: list[Plan], lasts: list[mx.array], ahead: int) -> Pass:
+        """One target pass verifying each row's proposal after its last token (lazily);
+        `ahead`: output positions already taken by a pass not yet read."""
+        width = max(plan.width for plan in plans)
+        noises = [row.noise_at(row.produced + ahead, plan.width) for row, plan in zip(rows, plans)]
+        proposals = self._proposals(rows, plans, lasts, noises)
+        blocks = [
+            mx.concatenate(
+                [last, proposal.astype(mx.int32), mx.zeros((width - plan.width,), dtype=mx.int32)]
+            )  # never accepted: past the proposal
+            for last, proposal, plan in zip(lasts, proposals, plans)
+        ]
+        if width > 1:
+            self.cache.checkpoint()
+        logits, features = self.model.target(mx.stack(blocks), self.cache, self.model.feature_layers)
+        choices = [
+            accept(
+                proposal,
+                choose(
+                    masked(
+                        logits[i, : plan.width], row.masks(proposal.tolist()) if row.constraint is not None else None
+                    ),
+                    row.params,
+                    noise,
+                ),
+            )
+            for i, (row, plan, proposal, noise) in enumerate(zip(rows, plans, proposals, noises))
+        ]
+        return Pass([row.uid for row in rows], plans, proposals, choices, logits, features)
+
+    def _proposals(self, rows: list[Request], plans: list[Plan], lasts: list[mx.array], noises: list) -> list[mx.array]:
+        """Each row's proposal: its prompt lookup's tokens, or its drafter's, all rows drafting
+        at one width in one drafter pass (its weights read once for all of them)."""
+        proposals = [mx.array(plan.tokens, dtype=mx.int32) for plan in plans]
+        for width in sorted({plan.width for plan in plans if plan.source == "dflash"}):
+            drafting = [i for i, plan in enumerate(plans) if plan.source == "dflash" and plan.width == width]
+            drafted = draft_rows(
+                self.model,
+                [lasts[i] for i in drafting],
+                [rows[i].context for i in drafting],
+                width,
+                [rows[i].params for i in drafting],
+                [noises[i] for i in drafting],
+            )
+            for i, proposal in zip(drafting, drafted):
+                proposals[i] = proposal
+        return proposals
+
+    def _queue_next(self, rows: list[Request], current: Pass) -> None:
+        """After a plain pass, the next one too when nothing joins, no row ends or has a grammar
+        (whose next mask needs this token) and the plan ahead is plain for every row."""
+        if self.waiting or self.filling or any(row.left <= 1 or row.constraint is not None for row in rows):
+            return
+        planner = self.model.planner
+        plans = (
+            planner.plan(rows, self.model.draft is not None, lookahead=1)
+            if planner
+            else [fixed_plan(row.block, row.left - 1) for row in rows]
+        )
+        if any(plan != PLAIN for plan in plans):
+            return
+        self._queued = self._pass(rows, plans, [next_token.reshape(1) for _, next_token in current.choices], 1)
+        mx.async_eval([choice for choice in self._queued.choices])
 
 
 def decode(
@@ -248,77 +386,35 @@ def decode(
     prompt_cache: Optional[PromptCache] = None,
     logprobs: Optional[int] = None,
     grammar: Optional[Grammar] = None,
+    clock: Optional[Callable[[], float]] = None,
 ) -> Iterator[Step]:
-    """Yield committed tokens cycle by cycle until `max_tokens` are out (the
-    caller stops earlier on EOS or stop strings by closing the generator).
-    Sampling draws its noise per output position from `seed` (sampling.py), so
-    a seeded run gives the same tokens whatever widths the cycles use.  With a
-    `prompt_cache`, the longest prefix it holds is restored instead of prefilled.
-    With `logprobs` (a count of top alternatives, 0 for none), each Step also carries
-    the target's log-probabilities of its tokens, read from the logits that chose them.
-    A `grammar` masks the target's choice at every position (grammar.py)."""
-    adaptive = model.draft is not None and block_size is None and model.chooser is not None
-    width = 1 if model.draft is None else (block_size or model.draft.block_size)
-    stats = stats if stats is not None else DecodeStats()
-    stats.block_size = width
-    seq = Sequence(model, prompt, params, seed, stats, adaptive, logprobs, grammar)
-    if adaptive:
-        model.chooser.start()
+    """One request decoded alone (a batch of one): its Steps until `max_tokens` are out (the
+    caller stops earlier on EOS or stop strings by closing the generator).  Arguments as
+    request.Request's; with a `prompt_cache`, the longest prefix it holds is restored
+    instead of prefilled."""
+    request = Request(
+        prompt.tolist(),
+        max_tokens,
+        params,
+        seed,
+        block_size,
+        logprobs,
+        grammar,
+        stats if stats is not None else DecodeStats(),
+    )
+    return decode_alone(model, request, prompt_cache, clock)
 
-    def plan_for(limit: int) -> Plan:
-        if adaptive:
-            return model.chooser.choose(limit, params, seq.lookup.propose(limit - 1))
-        return Plan(min(width, limit), "dflash") if min(width, limit) > 1 else PLAIN
 
-    tic = time.perf_counter()
-    tcache, logits = prefill_prompt(model, prompt, seq.context, prompt_cache, stats)
-    token = choose(masked(logits, seq.allowed_next()), params, seq.noise_at(0))
-    token = mx.array(token.item())
-    stats.prompt_seconds = time.perf_counter() - tic
-    tic = time.perf_counter()
-    yield seq.step([token.item()], 0, logits[None])
-    produced = 1
-
-    queued, decided = None, None  # a plain step already in flight; a plan chosen ahead
-    while produced < max_tokens:
-        started = time.perf_counter()
-        left = max_tokens - produced
-        plan, decided = decided or plan_for(left), None
-        if plan.width == 1:
-            next_token, logits = queued or plain_step(model, token, tcache, seq.context, params,
-                                                      seq.noise_at(produced), seq.allowed_next())
-            # A plain cycle teaches the chooser nothing, so the next plan is known before
-            # this token is: queue the next plain step now, and the graph of step t+1 is
-            # built while step t computes.  Unless the plan would take the prompt lookup's
-            # proposal, which depends on this token: that one is decided once it is read.
-            queued = None
-            if left > 1:
-                decided = plan_for(left - 1)
-                if decided.source == "lookup":
-                    decided = None
-                elif decided.width == 1 and seq.constraint is None:  # a grammar's next mask needs this token
-                    queued = plain_step(model, next_token, tcache, seq.context, params, seq.noise_at(produced + 1))
-                    mx.async_eval(queued[0])
-            n, committed, logits = 0, [next_token.item()], logits[-1:]
-        else:
-            block_noise = seq.noise(produced, plan.width)
-            if plan.source == "lookup":
-                proposal = mx.array(plan.tokens, dtype=mx.int32)
-            else:
-                proposal = draft(model, token, seq.context, plan.width, params, block_noise)
-            logits, features = verify(model, token, proposal, tcache)
-            n, next_token = accept(proposal, choose(masked(logits, seq.masks(proposal.tolist())), params, block_noise))
-            mx.eval(n, next_token, proposal)
-            n = n.item()
-            tcache.rollback(n + 1)
-            seq.context.add(features[:, : n + 1])
-            committed, logits = proposal[:n].tolist() + [next_token.item()], logits[: n + 1]
-        if adaptive:
-            model.chooser.record(plan, n, time.perf_counter() - started, params)
-        token = next_token
-        produced += len(committed)
-        stats.accepted_lengths.append(len(committed))
-        stats.widths.append(plan.width)
-        stats.sources.append(plan.source)
-        stats.decode_seconds = time.perf_counter() - tic
-        yield seq.step(committed, n, logits)
+def decode_alone(
+    model: DFlashModel,
+    request: Request,
+    prompt_cache: Optional[PromptCache] = None,
+    clock: Optional[Callable[[], float]] = None,
+) -> Iterator[Step]:
+    """`request`'s Steps, decoded alone (timed by `clock`, time.perf_counter by default)."""
+    decoder = Decoder(model, prompt_cache, max_batch=1, clock=clock)
+    uid = decoder.add(request)
+    while decoder.busy:
+        step = decoder.step().steps.get(uid)
+        if step is not None:
+            yield step

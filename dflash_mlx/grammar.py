@@ -25,8 +25,9 @@ def _llguidance():
         import llguidance
         import llguidance.hf
     except ImportError:
-        raise RuntimeError("structured output needs llguidance: pip install 'dflash-mlx[serve]' "
-                           "(or pip install llguidance)") from None
+        raise RuntimeError(
+            "structured output needs llguidance: pip install 'dflash-mlx[serve]' (or pip install llguidance)"
+        ) from None
     return llguidance
 
 
@@ -41,8 +42,9 @@ class Grammar:
     def __init__(self, tokenizer, grammar: str, vocab_size: int):
         llguidance = _llguidance()
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
-        self.tokenizer = _ll_tokenizer(hf, tuple(sorted(getattr(tokenizer, "eos_token_ids", None)
-                                                        or [hf.eos_token_id])))
+        self.tokenizer = _ll_tokenizer(
+            hf, tuple(sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id]))
+        )
         self.grammar, self.vocab_size = grammar, vocab_size
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
@@ -95,8 +97,7 @@ class GrammarState:
             if self.matcher.is_stopped():
                 return
             if not self.matcher.consume_token(token):
-                raise RuntimeError(f"grammar: token {token} was chosen against the mask "
-                                   f"({self.matcher.get_error()})")
+                raise RuntimeError(f"grammar: token {token} was chosen against the mask ({self.matcher.get_error()})")
 
 
 def masked(logits: mx.array, mask: Optional[mx.array]) -> mx.array:

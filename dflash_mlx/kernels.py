@@ -41,8 +41,9 @@ def use_metal() -> bool:
         return False
     available = mx.metal.is_available() and mx.default_device() == mx.gpu
     if choice == "metal" and not available:
-        raise RuntimeError("DFLASH_MLX_KERNELS=metal but Metal is not available here (needs a Mac GPU); "
-                           "unset it or set it to mlx")
+        raise RuntimeError(
+            "DFLASH_MLX_KERNELS=metal but Metal is not available here (needs a Mac GPU); unset it or set it to mlx"
+        )
     return available
 
 
@@ -55,11 +56,15 @@ def _metal_fits(name: str, head_dim: int, dtype: mx.Dtype) -> bool:
     if head_dim % 32 == 0 and dtype in KERNEL_DTYPES:
         if name != "block_attention" or attention_tiling(head_dim, dtype) is not None:
             return True
-        _warn_once(f"dflash-mlx: block_attention Metal kernel: head_dim {head_dim} in {dtype} needs more than "
-                   f"{THREADGROUP_MEMORY // 1024} KiB of threadgroup memory; using the slower MLX twin")
+        _warn_once(
+            f"dflash-mlx: block_attention Metal kernel: head_dim {head_dim} in {dtype} needs more than "
+            f"{THREADGROUP_MEMORY // 1024} KiB of threadgroup memory; using the slower MLX twin"
+        )
         return False
-    _warn_once(f"dflash-mlx: {name} Metal kernel needs head_dim % 32 == 0 and a float dtype "
-               f"(got {head_dim}, {dtype}); using the slower MLX twin")
+    _warn_once(
+        f"dflash-mlx: {name} Metal kernel needs head_dim % 32 == 0 and a float dtype "
+        f"(got {head_dim}, {dtype}); using the slower MLX twin"
+    )
     return False
 
 
@@ -90,8 +95,9 @@ def _metal_dir() -> Path:
 
 @cache
 def _metal_kernel(kernel: str, input_names: tuple, output_names: tuple):
-    return mx.fast.metal_kernel(name=f"dflash_{kernel}", input_names=list(input_names),
-                                output_names=list(output_names), source=source(kernel))
+    return mx.fast.metal_kernel(
+        name=f"dflash_{kernel}", input_names=list(input_names), output_names=list(output_names), source=source(kernel)
+    )
 
 
 def run_metal(launch: Launch) -> list[mx.array]:
@@ -132,13 +138,22 @@ def block_visibility(L: int, context_length: int, causal: bool, window: Optional
     return visible
 
 
-def block_attention(queries: mx.array, keys: mx.array, values: mx.array, context: Optional[ContextSpan],
-                    *, scale: float, causal: bool = False, window: Optional[int] = None) -> mx.array:
+def block_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    context: Optional[ContextSpan],
+    *,
+    scale: float,
+    causal: bool = False,
+    window: Optional[int] = None,
+) -> mx.array:
     """Attention of block queries (B, Hq, L, D) over the context span then the block's own
     keys/values (B, Hkv, L, D); bidirectional inside the block unless `causal`."""
     if use_metal() and _metal_fits("block_attention", queries.shape[-1], queries.dtype):
-        return run_metal(block_attention_launch(queries, keys, values, context, scale=scale,
-                                                causal=causal, window=window))[0]
+        return run_metal(
+            block_attention_launch(queries, keys, values, context, scale=scale, causal=causal, window=window)
+        )[0]
     return block_attention_mlx(queries, keys, values, context, scale=scale, causal=causal, window=window)
 
 
@@ -164,8 +179,9 @@ def attention_tiling(head_dim: int, dtype: mx.Dtype) -> Optional[tuple[int, int]
     return rows, (roomy or fitting)[0]
 
 
-def block_attention_launch(queries, keys, values, context: Optional[ContextSpan], *, scale, causal=False,
-                           window=None) -> Launch:
+def block_attention_launch(
+    queries, keys, values, context: Optional[ContextSpan], *, scale, causal=False, window=None
+) -> Launch:
     B, HQ, L, D = queries.shape
     HKV = keys.shape[1]
     tiling = attention_tiling(D, queries.dtype)
@@ -178,11 +194,26 @@ def block_attention_launch(queries, keys, values, context: Optional[ContextSpan]
     geometry = mx.array([context.keys.shape[2], context.start, context.length, window or 0, L], dtype=mx.int32)
     return Launch(
         kernel="block_attention",
-        inputs=dict(queries=queries, keys=keys, values=values, ctx_keys=context.keys,
-                    ctx_values=context.values, geometry=geometry, scale=float(scale)),
+        inputs=dict(
+            queries=queries,
+            keys=keys,
+            values=values,
+            ctx_keys=context.keys,
+            ctx_values=context.values,
+            geometry=geometry,
+            scale=float(scale),
+        ),
         outputs=dict(out=(queries.shape, queries.dtype)),
-        template=[("T", queries.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("SIMDGROUPS", ATTENTION_SIMDGROUPS),
-                  ("ROWS", rows), ("CHUNK", chunk), ("CAUSAL", bool(causal))],
+        template=[
+            ("T", queries.dtype),
+            ("D", D),
+            ("HQ", HQ),
+            ("HKV", HKV),
+            ("SIMDGROUPS", ATTENTION_SIMDGROUPS),
+            ("ROWS", rows),
+            ("CHUNK", chunk),
+            ("CAUSAL", bool(causal)),
+        ],
         grid=(32 * ATTENTION_SIMDGROUPS, tiles, B * HKV),
         threadgroup=(32 * ATTENTION_SIMDGROUPS, 1, 1),
     )
@@ -235,18 +266,25 @@ def gated_delta_tape_launch(q, k, v, g, beta, state) -> Launch:
     HV, DV = v.shape[2:]
     return Launch(
         kernel="gated_delta_tape",
-        inputs=dict(q=q, k=k, v=v, g=g.astype(mx.float32), beta=beta.astype(mx.float32),
-                    state_in=state.astype(mx.float32), steps=T),
-        outputs=dict(y=((B, T, HV, DV), q.dtype), state_out=((B, HV, DV, DK), mx.float32),
-                     delta=((B, T, HV, DV), mx.float32)),
+        inputs=dict(
+            q=q,
+            k=k,
+            v=v,
+            g=g.astype(mx.float32),
+            beta=beta.astype(mx.float32),
+            state_in=state.astype(mx.float32),
+            steps=T,
+        ),
+        outputs=dict(
+            y=((B, T, HV, DV), q.dtype), state_out=((B, HV, DV, DK), mx.float32), delta=((B, T, HV, DV), mx.float32)
+        ),
         template=[("T_IN", q.dtype), ("DK", DK), ("DV", DV), ("HK", HK), ("HV", HV)],
         grid=(32, DV, B * HV),
         threadgroup=(32, 4, 1),
     )
 
 
-def gated_delta_replay(state: Optional[mx.array], k: mx.array, g: mx.array, delta: mx.array,
-                       steps: int) -> mx.array:
+def gated_delta_replay(state: Optional[mx.array], k: mx.array, g: mx.array, delta: mx.array, steps: int) -> mx.array:
     """The state after the first `steps` tape steps from `state` (None: zeros), in closed form:
     S_n = (g_1..g_n) S_0 + sum_t (g_{t+1}..g_n) delta_t k_t^T  -- one matmul, no recurrence."""
     state = initial_state(state, k, delta)

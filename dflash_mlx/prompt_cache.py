@@ -88,8 +88,9 @@ def _common_prefix(a, b, limit: int) -> int:
 
 
 def _cuttable(entry: Snapshot) -> bool:
-    return all(isinstance(h, TrimmableKV) for h in entry.target.handlers) and \
-        all(c.window is None for c in entry.context or [])
+    return all(isinstance(h, TrimmableKV) for h in entry.target.handlers) and all(
+        c.window is None for c in entry.context or []
+    )
 
 
 def _cut(target, context, drop: int) -> None:

@@ -39,8 +39,11 @@ PUBLISHED = {
     "Qwen3.5-35B-A3B": _pair("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash"),
     "Qwen3.6-27B": _pair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash"),
     "Qwen3.6-35B-A3B": _pair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash"),
-    "Llama-3.1-8B-Instruct": _pair("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
-                                   "mlx-community/Meta-Llama-3.1-8B-Instruct"),
+    "Llama-3.1-8B-Instruct": _pair(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+        "mlx-community/Meta-Llama-3.1-8B-Instruct",
+    ),
     "gpt-oss-20b": _pair("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash"),
     "gpt-oss-120b": _pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash"),
     "gemma-4-26B-A4B": _pair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash"),
@@ -82,8 +85,10 @@ def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[i
         raise FileNotFoundError(f"no model directory at {model}")
     if "/" in model:
         return _unpublished(model, draft)
-    raise ValueError(f"unknown model {model!r}; known short names: {', '.join(known_names())} "
-                     "(or pass a Hugging Face repo id or a local directory)")
+    raise ValueError(
+        f"unknown model {model!r}; known short names: {', '.join(known_names())} "
+        "(or pass a Hugging Face repo id or a local directory)"
+    )
 
 
 def _unpublished(target: str, draft: Optional[str]) -> Resolved:

@@ -183,5 +183,7 @@ def checkpointed_batch(cache: Any):
         return BatchRotatingKV(cache)
     if type(cache) is ArraysCache:
         return BatchGatedDeltaState(cache)
-    raise UnsupportedCache(f"dflash-mlx cannot batch a {type(cache).__name__}; "
-                           "batched caches: KVCache, RotatingKVCache, GatedDeltaNet state")
+    raise UnsupportedCache(
+        f"dflash-mlx cannot batch a {type(cache).__name__}; "
+        "batched caches: KVCache, RotatingKVCache, GatedDeltaNet state"
+    )

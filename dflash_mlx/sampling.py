@@ -157,5 +157,7 @@ def token_logprobs(logits: mx.array, tokens: list[int], top: int) -> list[TokenL
         ranked, ranked_logprobs = ranked.tolist(), ranked_logprobs.tolist()
     else:
         ranked = ranked_logprobs = [[] for _ in tokens]
-    return [TokenLogprob(token, logprob, list(zip(ids, values)))
-            for token, logprob, ids, values in zip(tokens, chosen.tolist(), ranked, ranked_logprobs)]
+    return [
+        TokenLogprob(token, logprob, list(zip(ids, values)))
+        for token, logprob, ids, values in zip(tokens, chosen.tolist(), ranked, ranked_logprobs)
+    ]

@@ -28,11 +28,19 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from .fused_ops import Wrapper, column_major, fuse, fusing
 from .gated_delta import MIXER_PROJECTIONS, gated_delta_forward
-from .rollback import BatchRotatingKV, BatchTrimmableKV, GatedDeltaState, UnsupportedCache, checkpointed, checkpointed_batch
+from .rollback import (
+    BatchRotatingKV,
+    BatchTrimmableKV,
+    GatedDeltaState,
+    UnsupportedCache,
+    checkpointed,
+    checkpointed_batch,
+)
 
 
 class TargetCache:
-    """The target's per-layer mlx-lm caches plus their rollback handlers."""
+    """The target's per-layer mlx-lm caches plus their rollback handlers: one row, with the
+    calls of a batch (BatchTargetCache) that one row needs."""
 
     def __init__(self, model: nn.Module = None, layers: list = None):
         """A fresh cache for `model`, or one holding `layers` (a batch row's, extracted)."""
@@ -51,6 +59,21 @@ class TargetCache:
     def rollback(self, keep: int):
         for h in self.handlers:
             h.rollback(keep)
+
+    def rollback_rows(self, keep: list[int]):
+        self.rollback(keep[0])
+
+    def pad_right(self, lengths: list[int]):
+        """One row has nothing to pad."""
+
+    def finalize(self):
+        pass
+
+    def extract(self, row: int) -> "TargetCache":
+        return self
+
+    def keep_rows(self, rows: list[int]):
+        """Its one row is kept (dropping it drops the cache)."""
 
 
 class BatchTargetCache:
@@ -115,6 +138,8 @@ class BatchTargetCache:
         for h in self.handlers:
             h.rollback(keep)
 
+    rollback_rows = rollback
+
 
 class _Pass:
     """What the current forward pass wants recorded (shared by the stand-ins of one model)."""
@@ -164,13 +189,15 @@ class FinalNormTap(StandIn):
         return self.inner(h[:, -1:] if self._pass.last_only else h)  # the norm is per position
 
 
-def _model_parts(model: nn.Module):
+def model_parts(model: nn.Module):
     """(owner of the output head, inner model holding embed_tokens / layers / norm)."""
     owner = getattr(model, "language_model", model)  # multimodal wrappers hold a text model
     inner = getattr(owner, "model", None)
     if not isinstance(inner, nn.Module) or not isinstance(inner.get("layers"), list) or "embed_tokens" not in inner:
-        raise ValueError(f"target {type(model).__module__}: no embed_tokens / layers list where mlx-lm "
-                         "models keep them (model.model or model.language_model.model); not supported")
+        raise ValueError(
+            f"target {type(model).__module__}: no embed_tokens / layers list where mlx-lm "
+            "models keep them (model.model or model.language_model.model); not supported"
+        )
     return owner, inner
 
 
@@ -180,7 +207,7 @@ class Target:
     def __init__(self, model: nn.Module):
         self.model = fuse(model)
         self.model_type = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
-        owner, inner = _model_parts(model)
+        owner, inner = model_parts(model)
         self._pass = _Pass()
         self.layers = list(inner.layers)  # the real layers, before their taps go in
         for i, layer in enumerate(self.layers):
@@ -207,8 +234,10 @@ class Target:
         recorded = sum(isinstance(layer.get("linear_attn"), RecordingGatedDelta) for layer in self.layers if layer)
         states = sum(isinstance(h, GatedDeltaState) for h in cache.handlers)
         if states != recorded:  # an ArraysCache of another recurrent kind (Mamba, ...)
-            raise ValueError(f"target model type {self.model_type!r} is not supported: {states - recorded} "
-                             "recurrent layer caches are not GatedDeltaNet states, which cannot be rolled back")
+            raise ValueError(
+                f"target model type {self.model_type!r} is not supported: {states - recorded} "
+                "recurrent layer caches are not GatedDeltaNet states, which cannot be rolled back"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -244,8 +273,9 @@ class Target:
             scales = head.scales[token_ids]
             biases = head["biases"][token_ids] if "biases" in head else None
             mx.eval(weight, scales, biases)
-            return lambda h: mx.quantized_matmul(h, weight, scales, biases, transpose=True,
-                                                 group_size=head.group_size, bits=head.bits)
+            return lambda h: mx.quantized_matmul(
+                h, weight, scales, biases, transpose=True, group_size=head.group_size, bits=head.bits
+            )
         bias = head.bias[token_ids] if "bias" in head else None
         if fusing() and weight.dtype == mx.float32:
             weight = column_major(weight)  # as the whole head is (fused_ops.py)

@@ -20,8 +20,10 @@ CORPUS = [
     "Hello world, hello tokenizer. Numbers: 0 1 2 3 4 5 6 7 8 9 100 2024.",
 ]
 # Qwen2's split regex (as in its tokenizer.json); transformers applies it to qwen2/qwen3 models
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -41,10 +43,12 @@ def tiny_tokenizer(pre: str = "default") -> ByteLevelBPETokenizer:
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator(CORPUS, vocab_size=320, min_frequency=1, special_tokens=SPECIALS, show_progress=False)
     if pre == "qwen2":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     return tok
 
 
@@ -54,9 +58,18 @@ def tiny_hf_model(arch: str, vocab_size: int, seed: int = 0):
 
     mx.random.seed(seed)
     config = dict(
-        model_type=arch, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope_theta=10000.0, vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=4096,
+        model_type=arch,
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
     )
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -71,8 +84,11 @@ def _gguf_name(hf_name: str) -> str:
         _, _, layer, *rest = hf_name.split(".")
         module, suffix = ".".join(rest[:-1]), rest[-1]
         return f"blk.{layer}.{HF_TO_GGUF[module]}.{suffix}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf_name]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf_name]
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:

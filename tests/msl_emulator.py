@@ -103,8 +103,10 @@ def cpp_program(kernel: Generated, inputs: list, outputs: list) -> str:
                 const = "const " if decl.startswith("const ") else ""
                 device = "true" if "device" in decl.split() else "false"
                 parameters.append(f"emu::Buffer<{const}{element}> {name}")
-                arguments.append(f"{{reinterpret_cast<{const}{element}*>(files[{slot}].data()), "
-                                 f"{int(np.prod(buffers[slot][0]))}, {slot}, \"{name}\", {device}}}")
+                arguments.append(
+                    f"{{reinterpret_cast<{const}{element}*>(files[{slot}].data()), "
+                    f'{int(np.prod(buffers[slot][0]))}, {slot}, "{name}", {device}}}'
+                )
         elif attribute in THREAD_ATTRIBUTES:
             parameters.append(f"{decl} {name}")
             arguments.append(f"t.{THREAD_ATTRIBUTES[attribute]}")
@@ -162,10 +164,25 @@ def build(source: str, label: str) -> Path:
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         cpp = binary.with_suffix(".cpp")
         cpp.write_text(source)
-        result = subprocess.run([compiler(), "-std=c++17", "-O1", "-Wall", "-Wno-unused-variable",
-                                 "-Wno-unused-parameter", "-Wno-unused-but-set-variable", *PLATFORM_FLAGS,
-                                 "-I", str(HEADER_DIR), str(cpp), "-o", str(binary) + ".tmp"],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [
+                compiler(),
+                "-std=c++17",
+                "-O1",
+                "-Wall",
+                "-Wno-unused-variable",
+                "-Wno-unused-parameter",
+                "-Wno-unused-but-set-variable",
+                *PLATFORM_FLAGS,
+                "-I",
+                str(HEADER_DIR),
+                str(cpp),
+                "-o",
+                str(binary) + ".tmp",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode:
             raise RuntimeError(f"emulated {label} does not compile:\n{result.stderr}")
         Path(str(binary) + ".tmp").rename(binary)
@@ -191,7 +208,7 @@ def emulate(launch: kernels.Launch) -> Emulation:
         raise ValueError(f"threadgroup {kernel.threadgroup} exceeds {MAX_THREADS_PER_THREADGROUP} threads")
     inputs = [_as_array(v) for v in launch.inputs.values()]
     shapes = [(a.shape, a.dtype) for a in inputs] + list(launch.outputs.values())
-    binary = build(cpp_program(kernel, shapes[:len(inputs)], shapes[len(inputs):]), launch.kernel)
+    binary = build(cpp_program(kernel, shapes[: len(inputs)], shapes[len(inputs) :]), launch.kernel)
     with tempfile.TemporaryDirectory() as tmp:
         files = []
         for i, array in enumerate(inputs):
@@ -204,7 +221,7 @@ def emulate(launch: kernels.Launch) -> Emulation:
         if result.returncode:
             raise RuntimeError(f"emulated {launch.kernel} failed: {result.stderr.strip()}")
         outputs = []
-        for path, (shape, dtype) in zip(files[len(inputs):], launch.outputs.values()):
+        for path, (shape, dtype) in zip(files[len(inputs) :], launch.outputs.values()):
             raw = RAW_VIEW.get(dtype, dtype)
             data = np.frombuffer(path.read_bytes(), dtype=np.dtype(NUMPY[raw])).reshape(shape)
             outputs.append(mx.array(data).view(dtype) if raw != dtype else mx.array(data))

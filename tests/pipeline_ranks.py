@@ -22,7 +22,8 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx.distributed import DistributedError
 from dflash_mlx.distributed.pipeline import PipelineTarget
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import Target
 from tiny_models import random_draft, tiny_model
@@ -39,8 +40,9 @@ def layers_held(target) -> int:
 
 def generate(target, draft, block_size):
     out = []
-    for step in decode(DFlashModel(target, draft), mx.array(PROMPT), SamplingParams(), MAX_TOKENS, block_size,
-                       DecodeStats()):
+    for step in decode(
+        DFlashModel(target, draft), mx.array(PROMPT), SamplingParams(), MAX_TOKENS, block_size, DecodeStats()
+    ):
         out += step.tokens
     return out
 

@@ -8,12 +8,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchRotatingKVCache
 
-from dflash_mlx import batch, engine
-from dflash_mlx.adaptive import CostModel, StepTimes, WidthChooser
+from dflash_mlx import engine
+from dflash_mlx.costs import CostModel, StepTimes
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
-from dflash_mlx.batch import BatchDecoder
+from dflash_mlx.engine import Decoder
+from dflash_mlx.plan import Planner
+from dflash_mlx.request import Context, Request
 from dflash_mlx.drafters.dflash import ContextRows
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.prompt_cache import PromptCache
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import BatchTargetCache
@@ -23,7 +26,7 @@ from tiny_models import random_dflash2, random_draft, rows_oracle_draft, tiny_ta
 BATCH_FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"]
 
 
-def run(decoder: BatchDecoder, until_done=True) -> dict:
+def run(decoder: Decoder, until_done=True) -> dict:
     out = {}
     while decoder.busy:
         for uid, step in decoder.step().steps.items():
@@ -78,21 +81,28 @@ def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
     model = DFlashModel(target, draft)
     contexts, lasts = [], []
     for prompt in PROMPTS + [PROMPTS[0][:3]]:
-        context = engine.Context(model)
+        context = Context(model)
         _, features = target(mx.array([prompt]), target.make_cache(), draft.target_layer_ids)
         context.add(features)
         contexts.append(context)
         lasts.append(mx.array([prompt[-1]]))
     params = [SamplingParams(), SamplingParams(temp=0.8), SamplingParams(temp=1.3), SamplingParams()]
     for width in (2, 6):
-        noises = [None if p.greedy else mx.random.gumbel((width, target.vocab_size), key=mx.random.key(i))
-                  for i, p in enumerate(params)]
+        noises = [
+            None if p.greedy else mx.random.gumbel((width, target.vocab_size), key=mx.random.key(i))
+            for i, p in enumerate(params)
+        ]
         together = engine.draft_rows(model, lasts, contexts, width, params, noises)
-        alone = [engine.draft(model, *row, width, p, noise) for row, p, noise in zip(zip(lasts, contexts), params, noises)]
+        alone = [
+            engine.draft_rows(model, [last], [context], width, [p], [noise])[0]
+            for last, context, p, noise in zip(lasts, contexts, params, noises)
+        ]
         assert [t.tolist() for t in together] == [a.tolist() for a in alone], (kind, width)
         assert all(t.size == width - 1 for t in together)
-    hidden_together = draft.run_layers(mx.array([[1, 5], [2, 5], [3, 5], [4, 5]]),
-                                       [ContextRows([c.cache[i] for c in contexts], 2) for i in range(len(draft.layers))])
+    hidden_together = draft.run_layers(
+        mx.array([[1, 5], [2, 5], [3, 5], [4, 5]]),
+        [ContextRows([c.cache[i] for c in contexts], 2) for i in range(len(draft.layers))],
+    )
     for row, context in enumerate(contexts):
         alone = draft.run_layers(mx.array([[row + 1, 5]]), context.cache)
         assert mx.allclose(hidden_together[row], alone[0], atol=1e-5, rtol=1e-5)
@@ -103,11 +113,11 @@ def test_batched_greedy_is_lossless(model_type):
     target = tiny_target(model_type, seed=2)
     oracle, references = oracle_for(target, PROMPTS, 40)
     for draft in (oracle, random_draft(target, block_size=5), random_dflash2(target, block_size=4)):
-        decoder = BatchDecoder(DFlashModel(target, draft))
-        uids = [decoder.add(mx.array(p), SamplingParams(), 40) for p in PROMPTS]
+        decoder = Decoder(DFlashModel(target, draft))
+        uids = [decoder.add(Request(list(p), 40, SamplingParams())) for p in PROMPTS]
         out = run(decoder)
         for uid, prompt, reference in zip(uids, PROMPTS, references):
-            assert out[uid] == reference[len(prompt): len(prompt) + 40], (model_type, type(draft).__name__)
+            assert out[uid] == reference[len(prompt) : len(prompt) + 40], (model_type, type(draft).__name__)
 
 
 def test_rows_keep_different_lengths_in_one_step():
@@ -115,10 +125,10 @@ def test_rows_keep_different_lengths_in_one_step():
     per-row rollback is for), and long runs are accepted."""
     target = tiny_target("llama", seed=2)
     oracle, _ = oracle_for(target, PROMPTS, 40)
-    decoder = BatchDecoder(DFlashModel(target, oracle))
+    decoder = Decoder(DFlashModel(target, oracle))
     stats = [DecodeStats() for _ in PROMPTS]
     for prompt, s in zip(PROMPTS, stats):
-        decoder.add(mx.array(prompt), SamplingParams(), 40, stats=s)
+        decoder.add(Request(list(prompt), 40, SamplingParams(), stats=s))
     mixed = 0
     while decoder.busy:
         step = decoder.step()
@@ -129,13 +139,13 @@ def test_rows_keep_different_lengths_in_one_step():
 def test_rows_join_and_leave_mid_decode(monkeypatch):
     """Prompts prefilled in chunks while others decode; rows leave at max_tokens 1 / 7, one is
     cancelled, one joins late; every output stays exact and the padding goes with the rows."""
-    monkeypatch.setattr(batch, "PREFILL_STEP", 8)  # 8 tokens a pass: with 2 prompts filling, 4 each
+    monkeypatch.setattr(engine, "PREFILL_STEP", 8)  # 8 tokens a pass: with 2 prompts filling, 4 each
     target = tiny_target("qwen3_5", seed=2)
     prompts = PROMPTS + [list(range(70, 83))]
     oracle, references = oracle_for(target, prompts, 40)
-    decoder = BatchDecoder(DFlashModel(target, oracle))
+    decoder = Decoder(DFlashModel(target, oracle))
     limits = [1, 7, 40]
-    uids = [decoder.add(mx.array(p), SamplingParams(), n) for p, n in zip(PROMPTS, limits)]
+    uids = [decoder.add(Request(list(p), n, SamplingParams())) for p, n in zip(PROMPTS, limits)]
     out, late, cancel, cancelled_at, sizes = {}, None, None, None, []
     for steps in range(1000):
         if not decoder.busy:
@@ -145,15 +155,15 @@ def test_rows_join_and_leave_mid_decode(monkeypatch):
         for uid, s in step.steps.items():
             out.setdefault(uid, []).extend(s.tokens)
         if steps == 6:
-            late = decoder.add(mx.array(prompts[3]), SamplingParams(), 30)
-            cancel = decoder.add(mx.array(PROMPTS[0]), SamplingParams(), 40)
+            late = decoder.add(Request(list(prompts[3]), 30, SamplingParams()))
+            cancel = decoder.add(Request(list(PROMPTS[0]), 40, SamplingParams()))
         if cancelled_at is None and len(out.get(cancel, [])) >= 5:
             decoder.remove(cancel)
             cancelled_at = len(out[cancel])
     for uid, prompt, reference, limit in zip(uids, PROMPTS, references, limits):
-        assert out[uid] == reference[len(prompt): len(prompt) + limit]
-    assert out[late] == references[3][len(prompts[3]): len(prompts[3]) + 30]
-    assert out[cancel] == references[0][len(PROMPTS[0]): len(PROMPTS[0]) + cancelled_at]
+        assert out[uid] == reference[len(prompt) : len(prompt) + limit]
+    assert out[late] == references[3][len(prompts[3]) : len(prompts[3]) + 30]
+    assert out[cancel] == references[0][len(PROMPTS[0]) : len(PROMPTS[0]) + cancelled_at]
     assert max(sizes) >= 3
     assert not decoder.busy and decoder.cache is None
 
@@ -173,20 +183,23 @@ class Recording:
         return self.target(tokens, *args, **kwargs)
 
 
-@pytest.mark.parametrize("model_type, overrides", [(family, {}) for family in BATCH_FAMILIES] + [
-    ("llama", {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2})])
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [(family, {}) for family in BATCH_FAMILIES]
+    + [("llama", {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2})],
+)
 def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypatch):
     """Prompts waiting at once are prefilled in one pass per chunk (40 tokens a pass, shared by
     the rows filling, right-padded to the longest); each joins the decoding batch as soon as all
     of its prompt but the last token is in, while the longer ones fill beside it; a one-token
     prompt joins at once.  Every output exact."""
-    monkeypatch.setattr(batch, "PREFILL_STEP", 40)
+    monkeypatch.setattr(engine, "PREFILL_STEP", 40)
     target = tiny_target(model_type, seed=2, **overrides)
     prompts = PROMPTS + [[77], [(7 * i) % 90 + 1 for i in range(40)]]  # 8, 3, 30, 1 and 40 tokens
     oracle, references = oracle_for(target, prompts, 12)
     recording = Recording(target)
-    decoder = BatchDecoder(DFlashModel(recording, oracle))
-    uids = [decoder.add(mx.array(p), SamplingParams(), 12) for p in prompts]
+    decoder = Decoder(DFlashModel(recording, oracle))
+    uids = [decoder.add(Request(list(p), 12, SamplingParams())) for p in prompts]
     out, sizes = {}, []
     while decoder.busy:
         step = decoder.step()
@@ -196,12 +209,17 @@ def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypat
     assert recording.prefills == [(4, 10), (2, 20), (1, 9)]  # 4 rows x 10, the 30 and 40 ones x 20, the 40 one's last 9
     assert sizes[:3] == [3, 4, 5]
     for uid, prompt, reference in zip(uids, prompts, references):
-        assert out[uid] == reference[len(prompt): len(prompt) + 12], (model_type, len(prompt))
+        assert out[uid] == reference[len(prompt) : len(prompt) + 12], (model_type, len(prompt))
 
 
-@pytest.mark.parametrize("model_type, overrides", [
-    ("llama", {}), ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
-    ("qwen3_5", {})])
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("llama", {}),
+        ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+        ("qwen3_5", {}),
+    ],
+)
 def test_prefixes_are_reused_by_requests_filling_together(model_type, overrides):
     """Prompts prefilled together store their prefixes; the next wave restores them (one in full,
     joining at once) beside a prompt filling from scratch, and decode() alone restores what the
@@ -212,25 +230,28 @@ def test_prefixes_are_reused_by_requests_filling_together(model_type, overrides)
     first, second = [system + [5, 6, 7], system + [1, 2]], [system + [5, 6, 7, 8, 9], system + [1, 2], [3, 4, 5, 6]]
     cache = PromptCache()
     for wave, hits in ((first, [0, 0]), (second, [len(first[0]) - 1, len(first[1]) - 1, 0])):
-        decoder = BatchDecoder(model, prompt_cache=cache)
+        decoder = Decoder(model, prompt_cache=cache)
         stats = [DecodeStats() for _ in wave]
-        uids = [decoder.add(mx.array(p), SamplingParams(), 16, stats=s) for p, s in zip(wave, stats)]
+        uids = [decoder.add(Request(list(p), 16, SamplingParams(), stats=s)) for p, s in zip(wave, stats)]
         out = run(decoder)
         for uid, prompt in zip(uids, wave):
             assert out[uid] == [t for s in decode(model, mx.array(prompt), SamplingParams(), 16) for t in s.tokens]
         assert [s.cached_tokens for s in stats] == hits
     alone = DecodeStats()
-    warm = [t for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16, stats=alone, prompt_cache=cache)
-            for t in s.tokens]
+    warm = [
+        t
+        for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16, stats=alone, prompt_cache=cache)
+        for t in s.tokens
+    ]
     assert alone.cached_tokens == len(second[0]) - 1
     assert warm == [t for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16) for t in s.tokens]
 
 
 def test_padding_is_dropped_when_rows_leave():
     target = tiny_target("llama", seed=2)
-    decoder = BatchDecoder(DFlashModel(target, random_draft(target, block_size=4)))
-    short = decoder.add(mx.array(PROMPTS[1]), SamplingParams(), 30)
-    long = decoder.add(mx.array(PROMPTS[2]), SamplingParams(), 6)
+    decoder = Decoder(DFlashModel(target, random_draft(target, block_size=4)))
+    short = decoder.add(Request(list(PROMPTS[1]), 30, SamplingParams()))
+    long = decoder.add(Request(list(PROMPTS[2]), 6, SamplingParams()))
     sizes = []
     while any(row.uid == long for row in decoder.rows + decoder.filling + decoder.waiting):
         sizes.append(decoder.step().size)
@@ -240,11 +261,10 @@ def test_padding_is_dropped_when_rows_leave():
 
 
 def test_sliding_window_smaller_than_the_context():
-    target = tiny_target("llama", seed=3, layer_types=["sliding_attention", "full_attention"] * 2,
-                         sliding_window=6)
+    target = tiny_target("llama", seed=3, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=6)
     oracle, references = oracle_for(target, PROMPTS, 40, seed=1)
-    decoder = BatchDecoder(DFlashModel(target, oracle))
-    uids = [decoder.add(mx.array(p), SamplingParams(), 40) for p in PROMPTS]
+    decoder = Decoder(DFlashModel(target, oracle))
+    uids = [decoder.add(Request(list(p), 40, SamplingParams())) for p in PROMPTS]
     out, windows = {}, []
     while decoder.busy:
         for uid, step in decoder.step().steps.items():
@@ -252,7 +272,7 @@ def test_sliding_window_smaller_than_the_context():
         if decoder.cache is not None:  # the sliding layers hold a window per row, not the context
             windows += [c.keys.shape[2] for c in decoder.cache.layers if isinstance(c, BatchRotatingKVCache)]
     for uid, prompt, reference in zip(uids, PROMPTS, references):
-        assert out[uid] == reference[len(prompt): len(prompt) + 40]
+        assert out[uid] == reference[len(prompt) : len(prompt) + 40]
     assert windows and max(windows) <= 6 - 1 + 6  # the window's last max_size - 1 + a verify block
 
 
@@ -261,10 +281,12 @@ def test_seeded_sampling_equals_the_same_seed_alone(model_type):
     target = tiny_target(model_type, seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
     params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
-    alone = [[t for s in decode(model, mx.array(p), sp, 30, seed=7 + i) for t in s.tokens]
-             for i, (p, sp) in enumerate(zip(PROMPTS, params))]
-    decoder = BatchDecoder(model)
-    uids = [decoder.add(mx.array(p), sp, 30, seed=7 + i) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    alone = [
+        [t for s in decode(model, mx.array(p), sp, 30, seed=7 + i) for t in s.tokens]
+        for i, (p, sp) in enumerate(zip(PROMPTS, params))
+    ]
+    decoder = Decoder(model)
+    uids = [decoder.add(Request(list(p), 30, sp, seed=7 + i)) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     out = run(decoder)
     assert [out[u] for u in uids] == alone
 
@@ -276,9 +298,9 @@ def cost_model(per_token: float) -> CostModel:
     return CostModel(widths, [1.0 + per_token * (w - 1) for w in widths], draft_seconds=0.05)
 
 
-def decode_all(decoder: BatchDecoder, references: list, max_tokens: int = 30) -> list:
+def decode_all(decoder: Decoder, references: list, max_tokens: int = 30) -> list:
     """Decode PROMPTS in one batch; each step's (size, width).  Asserts every output exact."""
-    uids = [decoder.add(mx.array(p), SamplingParams(), max_tokens) for p in PROMPTS]
+    uids = [decoder.add(Request(list(p), max_tokens, SamplingParams())) for p in PROMPTS]
     shapes, out = [], {}
     while decoder.busy:
         step = decoder.step()
@@ -287,7 +309,7 @@ def decode_all(decoder: BatchDecoder, references: list, max_tokens: int = 30) ->
         for uid, s in step.steps.items():
             out.setdefault(uid, []).extend(s.tokens)
     for uid, prompt, reference in zip(uids, PROMPTS, references):
-        assert out[uid] == reference[len(prompt): len(prompt) + max_tokens]
+        assert out[uid] == reference[len(prompt) : len(prompt) + max_tokens]
     return shapes
 
 
@@ -322,9 +344,10 @@ def test_the_batch_width_follows_the_cost_curve(per_token, drafts):
     is exact either way."""
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 30)
-    model = DFlashModel(target if drafts else WideIsSlow(target), oracle,
-                        chooser=WidthChooser(cost_model(per_token), max_width=6, prior=0.8))
-    shapes = decode_all(BatchDecoder(model), references)
+    model = DFlashModel(
+        target if drafts else WideIsSlow(target), oracle, planner=Planner(cost_model(per_token), 6, prior=0.8)
+    )
+    shapes = decode_all(Decoder(model), references)
     if drafts:
         assert any(width > 1 for _, width in shapes)
     else:
@@ -376,11 +399,11 @@ def test_step_times_are_kept_for_the_next_process(tmp_path, capsys):
 
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 12)
-    chooser = WidthChooser(cost_model(0.1), max_width=6, step_times=StepTimes.stored(store, basis=[1.0]))
-    decoder = BatchDecoder(DFlashModel(target, oracle, chooser=chooser))
+    planner = Planner(cost_model(0.1), 6, StepTimes.stored(store, basis=[1.0]))
+    decoder = Decoder(DFlashModel(target, oracle, planner=planner))
     decode_all(decoder, references, max_tokens=12)  # fewer steps than save_every: kept once idle
     kept = StepTimes.stored(store, basis=[1.0])
-    assert kept.ratios == chooser.step_times.ratios and len(kept.ratios) >= 2
+    assert kept.ratios == planner.step_times.ratios and len(kept.ratios) >= 2
 
 
 def test_the_batch_learns_what_its_steps_really_cost():
@@ -389,8 +412,8 @@ def test_the_batch_learns_what_its_steps_really_cost():
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 30)
     flat = CostModel([1, 2, 4, 8, 16], [0.01] * 5, draft_seconds=0.0005)
-    model = DFlashModel(WideIsSlow(target), oracle, chooser=WidthChooser(flat, max_width=6, prior=0.8))
-    shapes = decode_all(BatchDecoder(model), references)
+    model = DFlashModel(WideIsSlow(target), oracle, planner=Planner(flat, 6, prior=0.8))
+    shapes = decode_all(Decoder(model), references)
     assert any(width > 1 for _, width in shapes[:4])
     assert_settles_plain(shapes)
 
@@ -406,8 +429,8 @@ def test_a_plain_step_judged_too_dear_is_timed_again():
         times.observe(rows, 1, modelled=1.0, seconds=10.0)
         for width in range(2, 7):
             times.observe(rows, width, modelled=1.0, seconds=0.01)
-    chooser = WidthChooser(cost_model(1.0), max_width=6, prior=0.8, explore_every=8, step_times=times)
-    shapes = decode_all(BatchDecoder(DFlashModel(WideIsSlow(target), oracle, chooser=chooser)), references, 40)
+    planner = Planner(cost_model(1.0), 6, prior=0.8, explore_every=8, step_times=times)
+    shapes = decode_all(Decoder(DFlashModel(WideIsSlow(target), oracle, planner=planner)), references, 40)
     three = [width for size, width in shapes if size == 3]
     first_plain = three.index(1)
     assert first_plain <= 8 and three[first_plain:].count(1) >= 0.8 * len(three[first_plain:])
@@ -421,15 +444,16 @@ def test_rows_drafting_together_pay_for_one_drafter_pass():
     oracle, _ = oracle_for(target, PROMPTS, 30)
     cost = CostModel([1, 2, 4, 8, 16], [1.0] * 5, draft_seconds=0.3, draft_per_token=0.01)
     assert cost.drafter_pass(2, rows=3) == pytest.approx(0.33)
-    decoder = BatchDecoder(DFlashModel(target, oracle, chooser=WidthChooser(cost, max_width=2, prior=0.5)))
+    decoder = Decoder(DFlashModel(target, oracle, planner=Planner(cost, 2, prior=0.5)))
     for prompt in PROMPTS:
-        decoder.add(mx.array(prompt), SamplingParams(), 30)
+        decoder.add(Request(list(prompt), 30, SamplingParams()))
     while decoder.filling or decoder.waiting:
         decoder.step()
-    decoder.step_times = StepTimes()  # judged by the curve alone
-    plans = decoder._plan()
+    planner = decoder.model.planner
+    planner.step_times = StepTimes()  # judged by the curve alone
+    plans = planner.plan(decoder.rows)
     assert len(plans) == 3 and all(plan.width == 2 and plan.source == "dflash" for plan in plans)
-    assert decoder._seconds(decoder.rows, plans) == pytest.approx(1.0 + 0.33)
+    assert planner.modelled(decoder.rows, plans) == pytest.approx(1.0 + 0.33)
 
 
 def test_a_token_bound_keeps_long_requests_apart():
@@ -440,8 +464,8 @@ def test_a_token_bound_keeps_long_requests_apart():
     model = DFlashModel(target, oracle)
     longest = max(len(p) for p in PROMPTS) + 20
     for bound, most_rows in ((2 * longest, 2), (longest - 1, 1), (10 * longest, 3)):
-        decoder = BatchDecoder(model, max_batch_tokens=bound)
-        uids = [decoder.add(mx.array(p), SamplingParams(), 20) for p in PROMPTS]
+        decoder = Decoder(model, max_batch_tokens=bound)
+        uids = [decoder.add(Request(list(p), 20, SamplingParams())) for p in PROMPTS]
         sizes, out = [], {}
         while decoder.busy:
             step = decoder.step()
@@ -450,7 +474,7 @@ def test_a_token_bound_keeps_long_requests_apart():
                 out.setdefault(uid, []).extend(s.tokens)
         assert max(sizes) == most_rows
         for uid, prompt, reference in zip(uids, PROMPTS, references):
-            assert out[uid] == reference[len(prompt): len(prompt) + 20]
+            assert out[uid] == reference[len(prompt) : len(prompt) + 20]
 
 
 def test_batch_generate_equals_generate_alone(tiny_dirs):
@@ -478,7 +502,7 @@ def test_a_stop_string_ends_one_row_and_the_others_go_on(tiny_dirs):
     model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
     prompts = ["the cat sat", "one two three four", "hello"]
     alone = [generate(model, tokenizer, p, max_tokens=24) for p in prompts]
-    stop = alone[0][len(alone[0]) // 3:][:3]  # met a third of the way into the first answer
+    stop = alone[0][len(alone[0]) // 3 :][:3]  # met a third of the way into the first answer
     assert stop.strip(), alone[0]
     gen = BatchGenerator(model, tokenizer)
     uids = [gen.insert(prompts[0], max_tokens=24, stop=[stop])] + [gen.insert(p, max_tokens=24) for p in prompts[1:]]
@@ -496,13 +520,13 @@ def test_a_stop_string_ends_one_row_and_the_others_go_on(tiny_dirs):
 def test_memory_returns_to_its_baseline_after_a_load(monkeypatch):
     """Three waves of requests joining, filling together, one cancelled mid-prefill and one
     mid-decode: once the batch is empty, the memory in use is back where it was."""
-    monkeypatch.setattr(batch, "PREFILL_STEP", 16)  # 4 rows filling: 4 tokens each a step
+    monkeypatch.setattr(engine, "PREFILL_STEP", 16)  # 4 rows filling: 4 tokens each a step
     target = tiny_target("qwen3_5", seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
-    decoder = BatchDecoder(model, max_batch=4)
+    decoder = Decoder(model, max_batch=4)
 
     def wave(k: int) -> None:
-        uids = [decoder.add(mx.array(p * (k + 1)), SamplingParams(), 24) for p in PROMPTS + PROMPTS]
+        uids = [decoder.add(Request(list(p * (k + 1)), 24, SamplingParams())) for p in PROMPTS + PROMPTS]
         decoder.step()
         assert uids[2] in [row.uid for row in decoder.filling]  # 30 x (k + 1) prompt tokens
         decoder.remove(uids[2])

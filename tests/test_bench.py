@@ -27,16 +27,23 @@ def test_harness_writes_results_tables_and_plots(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))  # cost curve cached here, not in ~
     target_dir, drafter_dir = tiny_pair(tmp_path)
     model, tokenizer = load(str(target_dir), str(drafter_dir))
-    assert model.chooser is not None
-    results = run_bench(model, tokenizer, ["gsm8k", "mtbench"], 2, 6, ["greedy", "sampled"], tmp_path / "out",
-                        show_progress=False)
+    assert model.planner is not None
+    results = run_bench(
+        model, tokenizer, ["gsm8k", "mtbench"], 2, 6, ["greedy", "sampled"], tmp_path / "out", show_progress=False
+    )
     out = tmp_path / "out"
-    assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "speedup.png", "acceptance.png",
-                                               "tps_vs_length.png"}
+    assert {p.name for p in out.iterdir()} >= {
+        "results.json",
+        "results.md",
+        "speedup.png",
+        "acceptance.png",
+        "tps_vs_length.png",
+    }
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["runs"]) == 2 * 2 * 2 * 2  # sets x prompts x modes x decoders
     assert {(r["set"], r["mode"]) for r in saved["summary"]} == {
-        (s, m) for s in ("gsm8k", "mtbench", "all") for m in ("greedy", "sampled")}
+        (s, m) for s in ("gsm8k", "mtbench", "all") for m in ("greedy", "sampled")
+    }
     assert all(r["speedup"] > 0 and r["tau"] >= 1 for r in results["summary"])
     assert "| gsm8k | greedy | 2 |" in (out / "results.md").read_text()
 

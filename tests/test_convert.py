@@ -15,7 +15,8 @@ from dflash_mlx import load
 from dflash_mlx.cli import app
 from dflash_mlx.convert.models import convert_draft, convert_target, quantize_draft
 from dflash_mlx.drafters import DFlashDraftModel, DraftLoadError, load_draft, save_draft
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from gguf_fixtures import write_gguf
 from tiny_models import draft_args, random_dflash2, tiny_target
@@ -55,8 +56,9 @@ def test_quantized_drafter_reloads_with_identical_logits(tmp_path, target, zlab_
     reloaded = load_draft(out)
     assert isinstance(reloaded.layers[0].mlp.up_proj, nn.QuantizedLinear)
     assert isinstance(reloaded.norm, nn.RMSNorm) and reloaded.norm.weight.dtype == mx.bfloat16
-    np.testing.assert_array_equal(block_logits(reloaded.bind(target), target),
-                                  block_logits(in_memory.bind(target), target))
+    np.testing.assert_array_equal(
+        block_logits(reloaded.bind(target), target), block_logits(in_memory.bind(target), target)
+    )
     # and close to the float drafter
     float_logits = block_logits(load_draft(zlab_drafter).bind(target), target)
     error = np.abs(block_logits(reloaded, target) - float_logits).mean() / np.abs(float_logits).mean()
@@ -64,8 +66,9 @@ def test_quantized_drafter_reloads_with_identical_logits(tmp_path, target, zlab_
 
 
 def test_fc_can_stay_float(tmp_path, zlab_drafter):
-    out = convert_draft(str(zlab_drafter), tmp_path / "q", q_bits=4, q_group_size=64, quantize_fc=False,
-                        show_progress=False)
+    out = convert_draft(
+        str(zlab_drafter), tmp_path / "q", q_bits=4, q_group_size=64, quantize_fc=False, show_progress=False
+    )
     assert json.loads((out / "config.json").read_text())["quantization"]["fc"] is False
     reloaded = load_draft(out)
     assert type(reloaded.fc) is nn.Linear and isinstance(reloaded.layers[0].self_attn.q_proj, nn.QuantizedLinear)
@@ -110,8 +113,9 @@ def test_bad_drafter_input_leaves_nothing_behind(tmp_path, zlab_drafter):
 
 
 def test_dry_run_writes_nothing(tmp_path, zlab_drafter):
-    result = runner.invoke(app, ["convert", "draft", str(zlab_drafter), str(tmp_path / "out"), "--q-bits", "4",
-                                 "--dry-run"])
+    result = runner.invoke(
+        app, ["convert", "draft", str(zlab_drafter), str(tmp_path / "out"), "--q-bits", "4", "--dry-run"]
+    )
     assert result.exit_code == 0, result.output
     assert "4 bits" in result.output and "norms stay float" in result.output
     assert not (tmp_path / "out").exists()
@@ -131,8 +135,11 @@ def test_targets_convert_load_and_decode_losslessly(tmp_path):
         drafter = DFlashDraftModel(draft_args(model.target, layer_ids=(0, 1), block_size=4)).bind(model.target)
         prompt = mx.array(tokenizer.encode("Hello world, I have 12 apples."))
         reference = [int(t) for t, _ in generate_step(prompt, model.target.model, max_tokens=20)]
-        out = [t for s in decode(DFlashModel(model.target, drafter), prompt, SamplingParams(), 20, stats=DecodeStats())
-               for t in s.tokens]
+        out = [
+            t
+            for s in decode(DFlashModel(model.target, drafter), prompt, SamplingParams(), 20, stats=DecodeStats())
+            for t in s.tokens
+        ]
         assert out == reference
     with pytest.raises(ValueError, match="--q-bits is for HF"):
         convert_target(str(tmp_path / "m.gguf"), tmp_path / "x", q_bits=4, show_progress=False)
@@ -143,8 +150,12 @@ def test_targets_convert_load_and_decode_losslessly(tmp_path):
 def test_dflash2_drafter_quantizes_and_reloads(tmp_path, target):
     """Convolution and selector projections and the codebooks quantize; base kernels and norms stay
     float; the codebooks keep z-lab's names (no .weight) on disk."""
-    source = save_draft(random_dflash2(target, seed=3, layer_ids=(1, 3), block_size=4, head_dim=16,
-                                       intermediate_size=128, selector_rank=32), tmp_path / "d2")
+    source = save_draft(
+        random_dflash2(
+            target, seed=3, layer_ids=(1, 3), block_size=4, head_dim=16, intermediate_size=128, selector_rank=32
+        ),
+        tmp_path / "d2",
+    )
     out = convert_draft(str(source), tmp_path / "q8", q_bits=8, q_group_size=32, show_progress=False)
     names = set(mx.load(str(out / "model.safetensors")))
     assert "candidate_selector.successor_codebook" in names and "layers.0.mlp_conv.base_kernel" in names
@@ -161,8 +172,12 @@ def test_dflash2_drafter_quantizes_and_reloads(tmp_path, target):
 def test_quantized_drafters_expand_for_the_cpu(tmp_path, target):
     """On MLX's CPU backend quantized matmuls are several times slower than float ones, so a
     quantized drafter can be loaded expanded: plain float32 layers computing what it computed."""
-    source = save_draft(random_dflash2(target, seed=3, layer_ids=(1, 3), block_size=4, head_dim=16,
-                                       intermediate_size=128, selector_rank=32), tmp_path / "d2")
+    source = save_draft(
+        random_dflash2(
+            target, seed=3, layer_ids=(1, 3), block_size=4, head_dim=16, intermediate_size=128, selector_rank=32
+        ),
+        tmp_path / "d2",
+    )
     out = convert_draft(str(source), tmp_path / "q8", q_bits=8, q_group_size=32, show_progress=False)
     packed = load_draft(out, dtype=mx.float32).bind(target)
     expanded = load_draft(out, dtype=mx.float32, dequantize=True).bind(target)

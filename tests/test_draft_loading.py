@@ -57,8 +57,11 @@ def zlab_dir(tmp_path, target, layers=2, layer_ids=(0, 2), hidden=None, vocab=No
     def w(*shape):
         return (rng.standard_normal(shape) * 0.1).astype(np.float32)
 
-    tensors = {"fc.weight": w(hidden, len(layer_ids) * hidden), "hidden_norm.weight": np.ones(hidden, np.float32),
-               "norm.weight": np.ones(hidden, np.float32)}
+    tensors = {
+        "fc.weight": w(hidden, len(layer_ids) * hidden),
+        "hidden_norm.weight": np.ones(hidden, np.float32),
+        "norm.weight": np.ones(hidden, np.float32),
+    }
     for i in range(layers):
         p = f"layers.{i}."
         tensors |= {
@@ -163,20 +166,28 @@ def test_dflash2_schema_round_trips(tmp_path, target):
     assert config["architectures"] == ["DFlash2DraftModel"]
     assert {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"} <= set(config["dflash_config"])
     names = set(mx.load(str(out / "model.safetensors")))
-    assert {"layers.0.attention_conv.base_kernel", "layers.0.attention_conv.kernel_projection.weight",
-            "layers.0.mlp_conv.base_kernel", "candidate_selector.hidden_projection.weight",
-            "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"} <= names
+    assert {
+        "layers.0.attention_conv.base_kernel",
+        "layers.0.attention_conv.kernel_projection.weight",
+        "layers.0.mlp_conv.base_kernel",
+        "candidate_selector.hidden_projection.weight",
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+    } <= names
     assert load_draft(out).bind(target).candidate_selector is not None
 
 
-@pytest.mark.parametrize("damage, message", [
-    (dict(drop=["candidate_selector.successor_codebook"]), "missing candidate_selector.successor_codebook"),
-    (dict(drop=["candidate_selector.hidden_projection.weight"]), "missing candidate_selector.hidden_projection"),
-    (dict(dflash_config={"conv_kernel_size": 5}), r"_conv\..* has shape .* config implies"),
-    (dict(dflash_config={"conv_group_size": 7}), "conv_group_size 7 does not divide hidden_size"),
-    (dict(dflash_config={"selector_rank": 16}), "selector.* has shape"),
-    (dict(dflash_config={"selector_top_k": 0}), "needs dflash_config.selector_top_k > 0"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (dict(drop=["candidate_selector.successor_codebook"]), "missing candidate_selector.successor_codebook"),
+        (dict(drop=["candidate_selector.hidden_projection.weight"]), "missing candidate_selector.hidden_projection"),
+        (dict(dflash_config={"conv_kernel_size": 5}), r"_conv\..* has shape .* config implies"),
+        (dict(dflash_config={"conv_group_size": 7}), "conv_group_size 7 does not divide hidden_size"),
+        (dict(dflash_config={"selector_rank": 16}), "selector.* has shape"),
+        (dict(dflash_config={"selector_top_k": 0}), "needs dflash_config.selector_top_k > 0"),
+    ],
+)
 def test_broken_dflash2_checkpoints_are_named(tmp_path, target, damage, message):
     with pytest.raises(DraftLoadError, match=message):
         load_draft(dflash2_dir(tmp_path, target, **damage))

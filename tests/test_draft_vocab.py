@@ -10,7 +10,8 @@ import pytest
 
 from dflash_mlx import engine
 from dflash_mlx.drafters import DraftLoadError, load_draft, save_draft
-from dflash_mlx.engine import DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from test_engine import PROMPTS, plain_greedy
 from tiny_models import random_draft, tiny_target
@@ -24,21 +25,24 @@ def target():
 
 
 def run(target, draft, prompt, params=SamplingParams(), seed=None, block_size=None):
-    return [t for s in decode(DFlashModel(target, draft), mx.array(prompt), params, 40, block_size, seed=seed)
-            for t in s.tokens]
+    return [
+        t
+        for s in decode(DFlashModel(target, draft), mx.array(prompt), params, 40, block_size, seed=seed)
+        for t in s.tokens
+    ]
 
 
 def test_restricted_drafts_come_from_the_subset_and_stay_lossless(target, monkeypatch):
     draft = random_draft(target, block_size=4).restrict_vocab(SUBSET)
     proposed = []
-    real = engine.draft
+    real = engine.draft_rows
 
     def spy(*args):
         out = real(*args)
-        proposed.extend(out.tolist())
+        proposed.extend(t for row in out for t in row.tolist())
         return out
 
-    monkeypatch.setattr(engine, "draft", spy)
+    monkeypatch.setattr(engine, "draft_rows", spy)
     for prompt in PROMPTS:
         assert run(target, draft, prompt) == plain_greedy(target, prompt)
     assert proposed and set(proposed) <= set(SUBSET)

@@ -7,13 +7,26 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import Target
 from tiny_models import oracle_draft, random_dflash2, random_draft, tiny_model, tiny_target
 
-MODEL_TYPES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-               "gpt_oss", "gemma4_text", "gemma4", "deepseek_v3", "kimi_k25"]
+MODEL_TYPES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "gpt_oss",
+    "gemma4_text",
+    "gemma4",
+    "deepseek_v3",
+    "kimi_k25",
+]
 PROMPTS = [[1, 5, 9, 13, 2, 7, 40, 3], [60, 61, 62], list(range(20, 50))]
 MAX_TOKENS = 40
 
@@ -26,8 +39,7 @@ def plain_greedy(target, prompt, max_tokens=MAX_TOKENS):
 def dflash_greedy(target, draft, prompt, max_tokens=MAX_TOKENS, block_size=None):
     stats = DecodeStats()
     out = []
-    for step in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens,
-                       block_size, stats):
+    for step in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens, block_size, stats):
         out += step.tokens
     return out, stats
 
@@ -62,7 +74,12 @@ def test_random_drafter_is_lossless(target, block_size):
     for prompt in PROMPTS:
         out, stats = dflash_greedy(target, draft, prompt)
         assert out == plain_greedy(target, prompt)
-        assert stats.histogram[0] < stats.cycles or stats.tau >= 1
+        # every cycle verified a full block (or what was left) and committed what it says
+        assert sum(stats.accepted_lengths) == len(out) and stats.cycles == len(stats.widths)
+        assert all(
+            w == min(block_size, MAX_TOKENS - done)
+            for w, done in zip(stats.widths, [sum(stats.accepted_lengths[:i]) for i in range(stats.cycles)])
+        )
 
 
 @pytest.mark.parametrize("block_size", [3, 16])
@@ -92,8 +109,7 @@ def test_oracle_drafter_full_and_partial_acceptance(target, block_size):
 
 def test_sliding_window_target_rolls_back():
     """Window smaller than the context: rollback must slice the rotating cache."""
-    target = tiny_target("llama", seed=3, layer_types=["sliding_attention", "full_attention"] * 2,
-                         sliding_window=6)
+    target = tiny_target("llama", seed=3, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=6)
     for prompt in PROMPTS:
         reference = plain_greedy(target, prompt, MAX_TOKENS + 16)
         wrong = set(range(len(prompt) + 3, len(prompt) + MAX_TOKENS, 5))
@@ -143,11 +159,25 @@ def test_targets_whose_caches_cannot_roll_back_are_refused():
     from dflash_mlx.target import Target
     from mlx_lm.models import lfm2
 
-    args = lfm2.ModelArgs(model_type="lfm2", vocab_size=97, hidden_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=32, block_ff_dim=64,
-                          block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
-                          full_attn_idxs=[1], rope_theta=10000.0)
+    args = lfm2.ModelArgs(
+        model_type="lfm2",
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=32,
+        block_ff_dim=64,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        full_attn_idxs=[1],
+        rope_theta=10000.0,
+    )
     with pytest.raises(ValueError, match="'lfm2' is not supported: 1 recurrent layer caches are not GatedDeltaNet"):
         Target(lfm2.Model(args))
 

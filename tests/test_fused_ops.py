@@ -9,8 +9,11 @@ from dflash_mlx.fused_ops import FusedNorm, FusedRoPE, fuse, fusing, unfused
 from dflash_mlx.target import BatchTargetCache
 from tiny_models import tiny_model, tiny_target
 
-pytestmark = pytest.mark.skipif(not fusing(), reason="norms and RoPEs are compiled only where MLX has no kernel "
-                                "for them (a CPU); on a GPU fuse() leaves a model as it is")
+pytestmark = pytest.mark.skipif(
+    not fusing(),
+    reason="norms and RoPEs are compiled only where MLX has no kernel "
+    "for them (a CPU); on a GPU fuse() leaves a model as it is",
+)
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"]
 

@@ -36,7 +36,9 @@ def test_float_gguf_round_trips_exactly(tmp_path, arch):
 def test_chat_template_and_special_tokens_survive(tmp_path):
     write_gguf(tmp_path / "m.gguf")
     _, tokenizer = mlx_lm.load(str(convert_gguf(tmp_path / "m.gguf", tmp_path / "mlx", show_progress=False)))
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.encode("x<|im_end|>", add_special_tokens=False)[-1] == im_end

@@ -11,8 +11,12 @@ from dflash_mlx import DFlashModel, Grammar, load, stream_generate  # noqa: E402
 from dflash_mlx.api import format_prompt  # noqa: E402
 from tiny_models import oracle_draft  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def tokens_of(model, tokenizer, prompt, **options) -> list[int]:
@@ -41,8 +45,9 @@ def test_dflash_under_a_grammar_equals_constrained_plain_decoding(plain):
         for width in (2, 4):
             assert tokens_of(pair, tokenizer, prompt, grammar=grammar, block_size=width) == constrained
     sampled = tokens_of(model, tokenizer, prompt, grammar=grammar, temp=1.0, seed=3)
-    pair = DFlashModel(model.target, oracle_draft(model.target, prompt + sampled, wrong={7}, block_size=4,
-                                                  layer_ids=(0, 1)))
+    pair = DFlashModel(
+        model.target, oracle_draft(model.target, prompt + sampled, wrong={7}, block_size=4, layer_ids=(0, 1))
+    )
     assert tokens_of(pair, tokenizer, prompt, grammar=grammar, temp=1.0, seed=3, block_size=4) == sampled
     grammar.start().commit(sampled)
 
@@ -57,10 +62,17 @@ def test_a_bad_schema_is_a_clear_error(plain):
 
 def test_the_default_pair_answers_in_the_schema(smollm2_dir):
     model, tokenizer = load(adaptive=False)
-    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string"}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
     prompt = format_prompt(tokenizer, "What is the capital of France? Answer in JSON with the key capital.")
-    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt, 48,
-                                                    grammar=Grammar.json(tokenizer, model.target.vocab_size,
-                                                                         schema)))
+    text = "".join(
+        r.text
+        for r in stream_generate(
+            model, tokenizer, prompt, 48, grammar=Grammar.json(tokenizer, model.target.vocab_size, schema)
+        )
+    )
     assert "Paris" in json.loads(text)["capital"]

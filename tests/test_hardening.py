@@ -46,7 +46,7 @@ def cli_cases(tiny_dirs, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in Path(model).iterdir():
-        (broken / f.name).write_bytes(f.read_bytes()[: 100] if f.suffix == ".safetensors" else f.read_bytes())
+        (broken / f.name).write_bytes(f.read_bytes()[:100] if f.suffix == ".safetensors" else f.read_bytes())
     no_tokenizer = tmp_path / "no-tokenizer"
     no_tokenizer.mkdir()
     for f in Path(model).iterdir():
@@ -92,20 +92,63 @@ def cli_cases(tiny_dirs, tmp_path):
         (["convert", "draft", draft, str(tmp_path / "q"), "--q-bits", "3"], "--q-bits"),
         (["convert", "target", str(tmp_path / "missing.gguf"), str(tmp_path / "t")], "missing.gguf"),
         # train
-        (["train", "make-data", "--model", model, "--out", str(readonly / "d"), "--prompts", "builtin"],
-         "cannot write the data folder"),
+        (
+            ["train", "make-data", "--model", model, "--out", str(readonly / "d"), "--prompts", "builtin"],
+            "cannot write the data folder",
+        ),
         (["train", "make-data", "--model", model, "--out", str(tmp_path / "d"), "--budget", "-5"], "--budget"),
         (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"), "--lr", "-1"], "lr must be"),
         (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"), "--lr", "nan"], "lr must be"),
-        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
-          "--sequences-per-step", "0"], "sequences per step"),
+        (
+            [
+                "train",
+                "fit",
+                "--model",
+                model,
+                "--data",
+                data,
+                "--out",
+                str(tmp_path / "f"),
+                "--sequences-per-step",
+                "0",
+            ],
+            "sequences per step",
+        ),
         (["train", "fit", "--model", model, "--data", data, "--out", str(readonly / "f")], "cannot write"),
-        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
-          "--target-layer-ids", "1,x"], "comma-separated integers"),
-        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
-          "--block-widths", "2,four"], "--block-widths takes widths like"),
-        (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"),
-          "--block-widths", "1-4"], "block widths must be in 2..16"),
+        (
+            [
+                "train",
+                "fit",
+                "--model",
+                model,
+                "--data",
+                data,
+                "--out",
+                str(tmp_path / "f"),
+                "--target-layer-ids",
+                "1,x",
+            ],
+            "comma-separated integers",
+        ),
+        (
+            [
+                "train",
+                "fit",
+                "--model",
+                model,
+                "--data",
+                data,
+                "--out",
+                str(tmp_path / "f"),
+                "--block-widths",
+                "2,four",
+            ],
+            "--block-widths takes widths like",
+        ),
+        (
+            ["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f"), "--block-widths", "1-4"],
+            "block widths must be in 2..16",
+        ),
         (["train", "fit", "--model", model, "--data", data, "--out", str(tmp_path / "f")], "different target"),
         # bench
         (["bench", "--model", model, "--draft", draft, "--out", str(readonly / "b")], "cannot write the results"),
@@ -176,8 +219,11 @@ def test_other_api_entry_points_name_their_bad_arguments(tiny_pair, tmp_path):
         (lambda: TrainConfig(sequences_per_step=0), ValueError, "sequences per step"),
         (lambda: TrainConfig(text_fraction=1.5), ValueError, "text_fraction|text fraction"),
         (lambda: run_bench(model, tokenizer, ["nope"], 2, 8, ["greedy"], tmp_path / "b"), ValueError, "nope"),
-        (lambda: run_bench(model, tokenizer, ["gsm8k"], 0, 8, ["greedy"], tmp_path / "b"), ValueError,
-         "prompts_per_set"),
+        (
+            lambda: run_bench(model, tokenizer, ["gsm8k"], 0, 8, ["greedy"], tmp_path / "b"),
+            ValueError,
+            "prompts_per_set",
+        ),
         (lambda: run_bench(model, tokenizer, ["gsm8k"], 2, 8, ["fast"], tmp_path / "b"), ValueError, "modes"),
     ]
     for call, error, message in cases:
@@ -191,7 +237,7 @@ def test_fixed_width_stats_do_not_claim_adaptivity(tiny_dirs):
 
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir))
-    assert model.chooser is not None
+    assert model.planner is not None
     fixed = list(stream_generate(model, tokenizer, "hello", max_tokens=10, block_size=3))[-1]
     assert "Adaptive:" not in format_stats(fixed, model)
     adaptive = list(stream_generate(model, tokenizer, "hello", max_tokens=10))[-1]
@@ -216,9 +262,10 @@ def test_seeds_of_any_size_are_reproducible(tiny_pair):
 
 def test_seeded_sampling_ignores_timing_in_the_adaptive_mode(tiny_dirs, monkeypatch):
     """Same seed, default adaptive width, the cycle clock perturbed differently on each
-    run (so the chooser picks different widths): the same text."""
+    run (so the planner picks different widths): the same text."""
     from dflash_mlx import engine
-    from dflash_mlx.adaptive import CostModel, WidthChooser
+    from dflash_mlx.costs import CostModel
+    from dflash_mlx.plan import Planner
 
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
@@ -228,11 +275,10 @@ def test_seeded_sampling_ignores_timing_in_the_adaptive_mode(tiny_dirs, monkeypa
         rng = random.Random(run)
         monkeypatch.setattr(engine.time, "perf_counter", lambda: real() + rng.random() * 0.05)
         # a cost curve on which drafting and plain decoding are close, so timing noise moves the choice
-        model.chooser = WidthChooser(CostModel([1, 2, 4], [0.010, 0.012, 0.016], 0.003, 0.0005, 0.0002, 0.0004), 4)
+        model.planner = Planner(CostModel([1, 2, 4], [0.010, 0.012, 0.016], 0.003, 0.0005, 0.0002, 0.0004), 4)
         last = None
         text = ""
-        for last in stream_generate(model, tokenizer, "tell me a story", max_tokens=40, temp=0.8, top_p=0.95,
-                                    seed=3):
+        for last in stream_generate(model, tokenizer, "tell me a story", max_tokens=40, temp=0.8, top_p=0.95, seed=3):
             text += last.text
         texts.append(text)
         widths.append(tuple(last.widths))
@@ -264,13 +310,13 @@ def test_prompt_fuzz_never_crashes(tiny_pair):
 
 
 def test_corrupt_cost_cache_is_measured_again(tiny_dirs, tmp_path, monkeypatch, capsys):
-    from dflash_mlx.adaptive import cached_costs
+    from dflash_mlx.costs import cached_costs
 
     calls = []
 
     def measure():
         calls.append(1)
-        from dflash_mlx.adaptive import CostModel
+        from dflash_mlx.costs import CostModel
 
         return CostModel([1, 2], [0.01, 0.02], 0.001)
 
@@ -343,6 +389,7 @@ print(smollm2_path(show_progress=False))
 """
 
 
+@pytest.mark.slow
 def test_two_first_uses_of_the_default_model_at_once(tmp_path, smollm2_dir):
     """Two processes on an empty cache: both succeed, one waits for the other's conversion."""
     gguf = Path(smollm2_dir).parent.parent / "gguf"
@@ -350,22 +397,27 @@ def test_two_first_uses_of_the_default_model_at_once(tmp_path, smollm2_dir):
     (tmp_path / "gguf").mkdir()
     for f in gguf.glob("*.gguf"):  # the download is cached; the conversion is what races
         (tmp_path / "gguf" / f.name).symlink_to(f)
-    procs = [subprocess.Popen([sys.executable, "-c", FIRST_USE], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", FIRST_USE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-500:] for o in outs]
     model_dir = Path(outs[0][0].strip().splitlines()[-1])
     assert (model_dir / "config.json").is_file()
-    assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(f".{model_dir.name}.")
-                and p.is_dir()]
+    assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(f".{model_dir.name}.") and p.is_dir()]
     model, _ = load(str(model_dir), use_draft=False)
     assert model.target.num_layers == 30
 
 
 def test_import_order_is_reported():
     """mlx imported before dflash_mlx: the slow BLAS is named, with the fix, once."""
-    script = "import mlx.core\nimport warnings\nwarnings.simplefilter('always')\nimport dflash_mlx\n" \
-             "from dflash_mlx.io import blas\nprint(blas.status())"
+    script = (
+        "import mlx.core\nimport warnings\nwarnings.simplefilter('always')\nimport dflash_mlx\n"
+        "from dflash_mlx.io import blas\nprint(blas.status())"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     if not Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3").exists():
@@ -376,7 +428,7 @@ def test_import_order_is_reported():
 
 def test_missing_openblas_is_said_once_in_one_line(tiny_dirs, monkeypatch, capsys):
     """A plain `pip install` on Linux runs fp32 on the reference BLAS: say so, once, with the fix."""
-    from dflash_mlx import api
+    from dflash_mlx.api import loading as api
     from dflash_mlx.io import blas
 
     model_dir, _ = tiny_dirs

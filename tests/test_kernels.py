@@ -17,8 +17,10 @@ from test_engine import dflash_greedy, plain_greedy
 from tiny_models import oracle_draft, tiny_target
 
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 1e-2, mx.bfloat16: 1e-2}
-on_mac = pytest.mark.skipif(not mx.metal.is_available(),
-                            reason="needs Apple Metal, which this machine lacks; the emulated tests cover the kernel logic")
+on_mac = pytest.mark.skipif(
+    not mx.metal.is_available(),
+    reason="needs Apple Metal, which this machine lacks; the emulated tests cover the kernel logic",
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,10 @@ def emulator():
         build('#include "metal_emulation.h"\nint main() { return 0; }\n', "probe")
     except RuntimeError as error:
         if sys.platform == "darwin":
-            pytest.skip(f"the C++ Metal emulation does not build on this Mac ({str(error).splitlines()[-1]}); "
-                        "the real kernels run in the tests marked metal")
+            pytest.skip(
+                f"the C++ Metal emulation does not build on this Mac ({str(error).splitlines()[-1]}); "
+                "the real kernels run in the tests marked metal"
+            )
         raise
 
 
@@ -138,8 +142,11 @@ def test_replay_is_the_state_after_each_prefix():
     q, k, v, g, beta, state = tape_inputs(1, 16, 2, 4, 32, 16)
     _, _, delta = kernels.gated_delta_tape_mlx(q, k, v, g, beta, state)
     for steps in range(17):
-        _, want = gated_delta_ops(q[:, :steps], k[:, :steps], v[:, :steps], g[:, :steps], beta[:, :steps], state) \
-            if steps else (None, state)
+        _, want = (
+            gated_delta_ops(q[:, :steps], k[:, :steps], v[:, :steps], g[:, :steps], beta[:, :steps], state)
+            if steps
+            else (None, state)
+        )
         assert relative_error(kernels.gated_delta_replay(state, k, g, delta, steps), want) < 1e-5, steps
 
 
@@ -151,9 +158,14 @@ def scratch_kernel(tmp_path, monkeypatch, emulator):
     def run(body: str, threads: int, threadgroup: int = 0, x=None):
         name = "scratch_" + hashlib.sha1(body.encode()).hexdigest()[:12]  # run_metal caches kernels by name
         (tmp_path / f"{name}.metal").write_text(body)
-        launch = kernels.Launch(kernel=name, inputs=dict(x=mx.ones((threads,)) if x is None else x),
-                                outputs=dict(out=((threads,), mx.float32)), template=[], grid=(threads, 1, 1),
-                                threadgroup=(threadgroup or threads, 1, 1))
+        launch = kernels.Launch(
+            kernel=name,
+            inputs=dict(x=mx.ones((threads,)) if x is None else x),
+            outputs=dict(out=((threads,), mx.float32)),
+            template=[],
+            grid=(threads, 1, 1),
+            threadgroup=(threadgroup or threads, 1, 1),
+        )
         return emulate(launch)
 
     return run
@@ -164,14 +176,20 @@ def test_emulator_enforces_synchronisation_rules(scratch_kernel):
     summed = scratch_kernel("out[thread_position_in_grid.x] = simd_sum(x[thread_position_in_grid.x]);\n", 64)
     assert summed.outputs[0].tolist() == [32.0] * 64  # one sum per simdgroup of 32
     with pytest.raises(RuntimeError, match="barrier reached after some threads"):
-        scratch_kernel("if (thread_index_in_threadgroup == 0) { return; }\n"
-                                     "threadgroup_barrier(mem_flags::mem_threadgroup);\n"
-                       "out[thread_position_in_grid.x] = 1.0f;\n", 64)
+        scratch_kernel(
+            "if (thread_index_in_threadgroup == 0) { return; }\n"
+            "threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+            "out[thread_position_in_grid.x] = 1.0f;\n",
+            64,
+        )
     with pytest.raises(RuntimeError, match="divergence"):
-        scratch_kernel("float s = x[thread_position_in_grid.x];\n"
-                       "if (thread_index_in_simdgroup < 16) { s = simd_sum(s); }\n"
-                       "else { threadgroup_barrier(mem_flags::mem_threadgroup); }\n"
-                       "out[thread_position_in_grid.x] = s;\n", 32)
+        scratch_kernel(
+            "float s = x[thread_position_in_grid.x];\n"
+            "if (thread_index_in_simdgroup < 16) { s = simd_sum(s); }\n"
+            "else { threadgroup_barrier(mem_flags::mem_threadgroup); }\n"
+            "out[thread_position_in_grid.x] = s;\n",
+            32,
+        )
     with pytest.raises(RuntimeError, match=r"out-of-bounds access x\[64\]"):
         scratch_kernel("out[thread_position_in_grid.x] = x[thread_position_in_grid.x + 1];\n", 64)
 
@@ -250,8 +268,9 @@ def test_one_compiled_attention_kernel_serves_every_width(monkeypatch, D, dtype)
 def test_one_compiled_tape_kernel_serves_every_width(DK, dtype):
     """Real GatedDeltaNet heads (Qwen3.5 / Qwen3-Next have 16-32 value heads; with fewer than 8
     elements g and beta would go to constant space, a second kernel, as MLX does)."""
-    launches = {generated(kernels.gated_delta_tape_launch(*tape_inputs(1, T, 8, 16, DK, 128, dtype))).name
-                for T in range(1, 17)}
+    launches = {
+        generated(kernels.gated_delta_tape_launch(*tape_inputs(1, T, 8, 16, DK, 128, dtype))).name for T in range(1, 17)
+    }
     assert len(launches) == 1
 
 
@@ -346,13 +365,19 @@ def test_mac_check_refuses_without_metal(mac_check, monkeypatch):
 def test_mac_check_parity_tables_through_the_emulator(mac_check, emulator):
     """The Mac check's parity logic, with the emulator standing in for the GPU: rows pass, and a
     kernel that computes something else fails them."""
-    rows = mac_check.attention_parity(contexts=(40,), head_dims=(64,), dtypes=(mx.float32,), widths=(1, 5),
-                                      run=run_emulated)
+    rows = mac_check.attention_parity(
+        contexts=(40,), head_dims=(64,), dtypes=(mx.float32,), widths=(1, 5), run=run_emulated
+    )
     assert len(rows) == 4 and all(ok for *_, ok in rows)
     tape = mac_check.tape_parity(dtypes=(mx.float32,), widths=(3,), run=run_emulated)
     assert len(tape) == 1 and tape[0][-1]
-    wrong = mac_check.attention_parity(contexts=(40,), head_dims=(64,), dtypes=(mx.float32,), widths=(2,),
-                                       run=lambda launch: [mx.zeros_like(launch.inputs["queries"])])
+    wrong = mac_check.attention_parity(
+        contexts=(40,),
+        head_dims=(64,),
+        dtypes=(mx.float32,),
+        widths=(2,),
+        run=lambda launch: [mx.zeros_like(launch.inputs["queries"])],
+    )
     assert not any(ok for *_, ok in wrong)
 
 
@@ -364,8 +389,9 @@ def test_metal_block_attention_matches_mlx(case, dtype):
     B, HQ, HKV, L, D, context, causal, window = case
     q, k, v, span = attention_inputs(B, HQ, HKV, L, D, context, dtype)
     want = kernels.block_attention_mlx(q, k, v, span, scale=D**-0.5, causal=causal, window=window)
-    got = kernels.run_metal(kernels.block_attention_launch(q, k, v, span, scale=D**-0.5, causal=causal,
-                                                           window=window))[0]
+    got = kernels.run_metal(kernels.block_attention_launch(q, k, v, span, scale=D**-0.5, causal=causal, window=window))[
+        0
+    ]
     assert relative_error(got, want) < 10 * TOLERANCE[dtype]  # GPU exp is not correctly rounded
 
 
@@ -375,8 +401,9 @@ def test_metal_block_attention_matches_mlx(case, dtype):
 @pytest.mark.parametrize("case", TAPE_CASES)
 def test_metal_gated_delta_tape_matches_mlx(case, dtype):
     inputs = tape_inputs(*case, dtype=dtype)
-    for got, want in zip(kernels.run_metal(kernels.gated_delta_tape_launch(*inputs)),
-                         kernels.gated_delta_tape_mlx(*inputs)):
+    for got, want in zip(
+        kernels.run_metal(kernels.gated_delta_tape_launch(*inputs)), kernels.gated_delta_tape_mlx(*inputs)
+    ):
         assert relative_error(got, want) < (1e-4 if dtype == mx.float32 else 2e-2)
 
 

@@ -1,7 +1,7 @@
 """The layout shows the architecture, and the arrows between its parts point one way.
 
-    cli, serve  ->  api, registry  ->  the loop (engine, target, rollback, ...) + drafters  ->  io
-    train, bench, convert, distributed: tools beside the loop, which never imports them
+cli, serve  ->  api, registry  ->  the loop (engine, target, rollback, ...) + drafters  ->  io
+train, bench, convert, distributed: tools beside the loop, which never imports them
 """
 
 import ast
@@ -11,8 +11,23 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "dflash_mlx"
 
-LOOP = {"engine", "batch", "target", "rollback", "gated_delta", "sampling", "adaptive", "lookup", "grammar", "kernels", "fused_ops",
-        "prompt_cache", "drafters"}
+LOOP = {
+    "engine",
+    "request",
+    "model",
+    "plan",
+    "costs",
+    "target",
+    "rollback",
+    "gated_delta",
+    "sampling",
+    "lookup",
+    "grammar",
+    "kernels",
+    "fused_ops",
+    "prompt_cache",
+    "drafters",
+}
 TOOLS = {"train", "bench", "convert", "serve", "distributed"}
 ENTRY = {"api", "cli", "registry"}
 

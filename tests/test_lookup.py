@@ -3,11 +3,13 @@
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.adaptive import CostModel, WidthChooser
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.costs import CostModel
+from dflash_mlx.plan import Planner
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.lookup import NO_MATCH, Match, PromptLookup
 from dflash_mlx.sampling import SamplingParams
-from tiny_models import random_draft, tiny_target
+from tiny_models import Clock, Timed, random_draft, tiny_target
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -33,16 +35,19 @@ def test_a_single_token_match_says_so():
     assert PromptLookup([1, 2, 3, 1], min_ngram=2).propose(3) == NO_MATCH
 
 
+COST = CostModel([1, 2, 4, 8], [0.010, 0.011, 0.013, 0.017], 0.004, 0.0005)
+
+
 def decoded(model, params=SamplingParams(), seed=None, max_tokens=48):
-    stats = DecodeStats()
-    tokens = [t for s in decode(model, mx.array(PROMPT), params, max_tokens, stats=stats, seed=seed) for t in s.tokens]
-    return tokens, stats
+    stats, clock = DecodeStats(), getattr(model.target, "clock", None)
+    steps = decode(model, mx.array(PROMPT), params, max_tokens, stats=stats, seed=seed, clock=clock)
+    return [t for s in steps for t in s.tokens], stats
 
 
 def lookup_model(target):
-    # the drafter's drafts are rejected: only the lookup can pay here
-    cost = CostModel([1, 2, 4, 8], [0.010, 0.011, 0.013, 0.017], 0.004, 0.0005)
-    return DFlashModel(target, random_draft(target, block_size=8), chooser=WidthChooser(cost, 8))
+    """The drafter's drafts are rejected: only the lookup can pay here.  Its passes take what
+    the cost curve says, on an injected clock."""
+    return DFlashModel(Timed(target, Clock(COST)), random_draft(target, block_size=8), planner=Planner(COST, 8))
 
 
 def test_greedy_lookup_decoding_equals_plain_greedy():

@@ -3,7 +3,8 @@
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.prompt_cache import PromptCache
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import random_draft, tiny_target
@@ -13,21 +14,35 @@ SYSTEM = list(range(30, 70))  # a shared prefix (think: system prompt + earlier 
 
 def run(model, prompt, cache=None, params=SamplingParams(), seed=None):
     stats = DecodeStats()
-    tokens = [t for s in decode(model, mx.array(prompt), params, 24, stats=stats, seed=seed, prompt_cache=cache)
-              for t in s.tokens]
+    tokens = [
+        t
+        for s in decode(model, mx.array(prompt), params, 24, stats=stats, seed=seed, prompt_cache=cache)
+        for t in s.tokens
+    ]
     return tokens, stats.cached_tokens
 
 
-@pytest.mark.parametrize("model_type, overrides", [
-    ("llama", {}), ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
-    ("qwen3", {}), ("qwen3_moe", {}), ("qwen3_5", {}),
-])
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("llama", {}),
+        ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+        ("qwen3", {}),
+        ("qwen3_moe", {}),
+        ("qwen3_5", {}),
+    ],
+)
 def test_cached_prompts_decode_exactly_as_cold(model_type, overrides):
     target = tiny_target(model_type, seed=2, **overrides)
     model = DFlashModel(target, random_draft(target, block_size=4))
     cache = PromptCache()
-    turns = [SYSTEM + [5, 6, 7], SYSTEM + [5, 6, 7, 8, 9, 10, 11], SYSTEM + [5, 6, 7, 8, 9, 10, 11],
-             SYSTEM + [1, 2], SYSTEM[:20]]
+    turns = [
+        SYSTEM + [5, 6, 7],
+        SYSTEM + [5, 6, 7, 8, 9, 10, 11],
+        SYSTEM + [5, 6, 7, 8, 9, 10, 11],
+        SYSTEM + [1, 2],
+        SYSTEM[:20],
+    ]
     reused = []
     for prompt in turns:
         cold, _ = run(model, prompt)

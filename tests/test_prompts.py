@@ -46,6 +46,7 @@ def test_prompt_files(tmp_path):
         read_prompts(str(tmp_path / "empty.txt"))
 
 
+@pytest.mark.slow
 def test_the_target_writes_prompts_itself(smollm2, tmp_path):
     """Magpie-style: from its user-turn opening alone, SmolLM2 writes user prompts; kept are
     finished, distinct ones that share no 8-word span with the banned (benchmark) spans."""
@@ -59,7 +60,9 @@ def test_the_target_writes_prompts_itself(smollm2, tmp_path):
     assert prefix.endswith("<|im_start|>user\n") and "system" in prefix
     banned = spans("write a short story about a cat who loves to nap in the sun")
     assert not keep("Write a short story about a cat who loves to nap in the sun all day.", set(), banned)
-    assert not keep("hi", set(), set()) and not keep("What is the capital of France?", {"what is the capital of france?"}, set())
+    assert not keep("hi", set(), set()) and not keep(
+        "What is the capital of France?", {"what is the capital of france?"}, set()
+    )
     out = tmp_path / "prompts.jsonl"
     make_prompts(model, tokenizer, out, 3, banned, batch_size=8, max_tokens=48, show_progress=False)
     make_prompts(model, tokenizer, out, 5, banned, batch_size=8, max_tokens=48, show_progress=False)  # resumes

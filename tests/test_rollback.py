@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import RotatingKVCache
 
-from dflash_mlx.adaptive import measure_costs
+from dflash_mlx.costs import measure_costs
 from dflash_mlx.rollback import RotatingKV
 from tiny_models import random_draft, tiny_target
 
@@ -54,8 +54,10 @@ def test_rollback_to_every_keep_matches_a_fresh_cache(window, context, next_toke
         assert visible(got)[-window:] == visible(want)[-window:], (keep, window, context)
         assert max(visible(got)) == context + keep + next_tokens - 1
         # and again, after a second plain step (the ring wraps)
-        assert visible(feed(ours, context + keep + next_tokens, 1))[-window:] == \
-            visible(feed(fresh, context + keep + next_tokens, 1))[-window:]
+        assert (
+            visible(feed(ours, context + keep + next_tokens, 1))[-window:]
+            == visible(feed(fresh, context + keep + next_tokens, 1))[-window:]
+        )
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text"])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx import sampling
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams, probabilities
 from tiny_models import random_dflash2, random_draft, tiny_target
 
@@ -43,8 +44,11 @@ def sample_joint(model, params, n, seed, stats=None):
     mx.random.seed(seed)
     counts = np.zeros((VOCAB,) * LENGTH)
     for _ in range(n):
-        tokens = [t for step in decode(model, mx.array(PROMPT), params, LENGTH, block_size=3, stats=stats)
-                  for t in step.tokens]
+        tokens = [
+            t
+            for step in decode(model, mx.array(PROMPT), params, LENGTH, block_size=3, stats=stats)
+            for t in step.tokens
+        ]
         counts[tuple(tokens)] += 1
     return counts
 
@@ -70,7 +74,8 @@ def chi_square_p_value(counts, expected_probs, min_expected=5.0):
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9, top_k=4)],
+    "params",
+    [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9, top_k=4)],
     ids=["temp1", "temp0.7-topp-topk"],
 )
 def test_dflash_samples_follow_the_target_distribution(pair, params):
@@ -80,6 +85,7 @@ def test_dflash_samples_follow_the_target_distribution(pair, params):
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
+@pytest.mark.slow
 def test_dflash2_samples_follow_the_target_distribution(pair):
     """The selector samples among its top-k candidates; the target still decides."""
     target, _ = pair
@@ -119,11 +125,14 @@ def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
 def test_seeded_runs_are_reproducible(pair):
     target, draft = pair
     params = SamplingParams(temp=1.0)
-    runs = [[t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30, seed=42)
-             for t in step.tokens] for _ in range(2)]
+    runs = [
+        [t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30, seed=42) for t in step.tokens]
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
-    other = [t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30, seed=43)
-             for t in step.tokens]
+    other = [
+        t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30, seed=43) for t in step.tokens
+    ]
     assert other != runs[0]
 
 
@@ -133,15 +142,19 @@ def test_seeded_output_does_not_depend_on_the_widths(pair):
     target, draft = pair
     other_draft = random_draft(target, seed=11, block_size=3)
     for params in (SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9, top_k=4)):
-        reference = [t for step in decode(DFlashModel(target), mx.array(PROMPT), params, 40, seed=7)
-                     for t in step.tokens]
-        for model, width in [(DFlashModel(target, draft), 2), (DFlashModel(target, draft), 3),
-                             (DFlashModel(target, other_draft), 3),
-                             (DFlashModel(target, random_dflash2(target, seed=4, block_size=3)), 3)]:
-            tokens = [t for step in decode(model, mx.array(PROMPT), params, 40, block_size=width, seed=7)
-                      for t in step.tokens]
+        reference = [
+            t for step in decode(DFlashModel(target), mx.array(PROMPT), params, 40, seed=7) for t in step.tokens
+        ]
+        for model, width in [
+            (DFlashModel(target, draft), 2),
+            (DFlashModel(target, draft), 3),
+            (DFlashModel(target, other_draft), 3),
+            (DFlashModel(target, random_dflash2(target, seed=4, block_size=3)), 3),
+        ]:
+            tokens = [
+                t for step in decode(model, mx.array(PROMPT), params, 40, block_size=width, seed=7) for t in step.tokens
+            ]
             assert tokens == reference
-
 
 
 def test_noise_rows_kept_for_a_verify_again_are_the_rows_drawn_afresh(monkeypatch):
@@ -167,9 +180,18 @@ def test_an_unfiltered_choice_is_the_argmax_of_the_normalised_scores():
     normalised = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)) / params.temp + noise
     assert mx.array_equal(sampling.choose(logits, params, noise), mx.argmax(normalised, axis=-1))
 
+
 def test_invalid_sampling_parameters_are_refused():
-    for bad in (dict(temp=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(temp=float("nan")),
-                dict(temp=float("inf")), dict(top_p=float("nan")), dict(top_k=1.5)):
+    for bad in (
+        dict(temp=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(temp=float("nan")),
+        dict(temp=float("inf")),
+        dict(top_p=float("nan")),
+        dict(top_k=1.5),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad)).replace("_", "[-_]").replace("temp", "temp")):
             SamplingParams(**bad)
     with pytest.raises(TypeError, match="temp"):
@@ -188,6 +210,7 @@ def test_greedy_accept_counts_the_agreeing_prefix():
     assert (n.item(), nxt.item()) == (3, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gpt_oss", "gemma4_text", "deepseek_v3", "qwen3_next"])
 def test_samples_follow_the_target_distribution_on_every_new_family(model_type):
     """Sliding windows with sinks, per-layer inputs and soft-capped logits, MLA, GatedDeltaNet:
@@ -197,8 +220,9 @@ def test_samples_follow_the_target_distribution_on_every_new_family(model_type):
     target = tiny_target(model_type, seed=5, vocab_size=VOCAB, **extra)
     params = SamplingParams(temp=1.0)
     stats = DecodeStats()
-    counts = sample_joint(DFlashModel(target, random_draft(target, seed=9, block_size=3)), params, n=1500, seed=3,
-                          stats=stats)
+    counts = sample_joint(
+        DFlashModel(target, random_draft(target, seed=9, block_size=3)), params, n=1500, seed=3, stats=stats
+    )
     assert chi_square_p_value(counts, exact_joint(target, params)) > 1e-3
     assert stats.histogram[1] > 0  # drafts were accepted, so the drafted path was tested too
 

@@ -16,6 +16,8 @@ from dflash_mlx import generate, load  # noqa: E402
 from dflash_mlx.api import format_prompt  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background  # noqa: E402
 
+pytestmark = pytest.mark.slow  # live servers
+
 MODEL = "tiny"
 
 
@@ -37,8 +39,9 @@ def served(tiny_dirs):
 
 
 def raw(port: int, path: str, body: bytes | None = None, content_type="application/json"):
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
-                                     headers={"Content-Type": content_type} if body is not None else {})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=body, headers={"Content-Type": content_type} if body is not None else {}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.read().decode()
@@ -55,13 +58,20 @@ def test_chat_equals_offline_generation(served):
     usage = reply.usage
     assert usage.completion_tokens == 20 and usage.total_tokens == usage.prompt_tokens + 20
     dflash = usage.model_extra["dflash"]
-    assert dflash["tau"] >= 1 and sum(dflash["acceptance_histogram"]) == dflash["draft_cycles"] + dflash["lookup_cycles"] + dflash["plain_cycles"]
+    assert (
+        dflash["tau"] >= 1
+        and sum(dflash["acceptance_histogram"])
+        == dflash["draft_cycles"] + dflash["lookup_cycles"] + dflash["plain_cycles"]
+    )
 
 
 def test_streamed_text_completion_with_usage(served):
     client, model, tokenizer, _, _ = served
-    chunks = list(client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="the cat", max_tokens=16, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == generate(model, tokenizer, "the cat", max_tokens=16)
     assert chunks[-1].usage.completion_tokens == 16 and chunks[-2].choices[0].finish_reason == "length"
@@ -73,8 +83,14 @@ def test_stop_seed_and_block_size(served):
     stop = full[4:6]
     cut = client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, stop=stop)
     assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
-    sampled = [client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, temperature=0.9, seed=4,
-                                         extra_body={"block_size": width}).choices[0].text for width in (1, 2, 4)]
+    sampled = [
+        client.completions.create(
+            model=MODEL, prompt="the cat", max_tokens=16, temperature=0.9, seed=4, extra_body={"block_size": width}
+        )
+        .choices[0]
+        .text
+        for width in (1, 2, 4)
+    ]
     assert len(set(sampled)) == 1  # seeded output does not depend on the width
 
 
@@ -87,21 +103,34 @@ def test_models_health_metrics(served):
     assert raw(port, "/health") == (200, '{"status":"ok"}')
     status, text = raw(port, "/metrics")
     assert status == 200 and "dflash_tau" in text and 'dflash_requests_total{status="200"}' in text
-    assert "dflash_batch_size " in text and re.search(r'dflash_batch_steps_total\{size="1",mode="(plain|draft)"\} [1-9]', text)
+    assert "dflash_batch_size " in text and re.search(
+        r'dflash_batch_steps_total\{size="1",mode="(plain|draft)"\} [1-9]', text
+    )
 
 
-@pytest.mark.parametrize("body, content_type, status, needle", [
-    (b"{not json", "application/json", 400, "not valid JSON"),
-    (b"[1, 2]", "application/json", 400, "JSON object"),
-    (b'{"messages": []}', "application/json", 400, "messages"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}', "application/json", 400, "max_tokens"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}', "application/json", 400,
-     "max_tokens"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "application/json", 400,
-     "temperature"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "block_size": 99}', "application/json", 400, "block_size"),
-    (b'{"messages": [{"role": "user", "content": "hi"}]}', "text/plain", 415, "Content-Type"),
-])
+@pytest.mark.parametrize(
+    "body, content_type, status, needle",
+    [
+        (b"{not json", "application/json", 400, "not valid JSON"),
+        (b"[1, 2]", "application/json", 400, "JSON object"),
+        (b'{"messages": []}', "application/json", 400, "messages"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}', "application/json", 400, "max_tokens"),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}',
+            "application/json",
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}',
+            "application/json",
+            400,
+            "temperature",
+        ),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "block_size": 99}', "application/json", 400, "block_size"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', "text/plain", 415, "Content-Type"),
+    ],
+)
 def test_bad_requests_are_4xx_and_the_server_keeps_serving(served, body, content_type, status, needle):
     client, _, _, port, _ = served
     got, text = raw(port, "/v1/chat/completions", body, content_type)
@@ -112,8 +141,10 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(served, body, content
 def test_an_oversized_body_is_refused_from_its_header(served):
     client, _, _, port, _ = served
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100000000\r\n\r\n{")
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000000\r\n\r\n{"
+        )
         reply = ""
         while "larger than" not in reply and (piece := s.recv(65536)):
             reply += piece.decode()
@@ -204,8 +235,10 @@ def test_a_follow_up_turn_reuses_the_prefix_and_stays_exact(served):
     client, model, tokenizer, _, server = served
     history = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hello there"}]
     first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
-    follow = history + [{"role": "assistant", "content": first.choices[0].message.content},
-                        {"role": "user", "content": "and again"}]
+    follow = history + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and again"},
+    ]
     second = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=8)
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
     text = tokenizer.apply_chat_template(follow, tokenize=False, add_generation_prompt=True)
@@ -216,11 +249,12 @@ def test_a_follow_up_turn_reuses_the_prefix_and_stays_exact(served):
 ENGINE_THREAD_EXIT = """
 import dflash_mlx
 import mlx.core as mx
-from dflash_mlx.serve.worker import _Engine
+from dflash_mlx.serve import worker
 
 twice_plus_one = mx.compile(lambda x: x * 2 + 1)
+worker.BatchGenerator = lambda *args: None
 
-class Compiling(_Engine):
+class Compiling(worker.Worker):
     def _run(self):
         mx.eval(twice_plus_one(mx.ones((1, 8))))
 
@@ -248,10 +282,25 @@ def test_the_command_serves_and_stops_cleanly_on_ctrl_c(tiny_dirs):
 
     model_dir, draft_dir = tiny_dirs
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", str(model_dir), "--draft",
-                             str(draft_dir), "--port", str(port), "--no-adaptive"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dflash_mlx.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--draft",
+            str(draft_dir),
+            "--port",
+            str(port),
+            "--no-adaptive",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         for _ in range(600):
             try:
@@ -277,11 +326,13 @@ def test_the_default_pair_over_http(smollm2_dir):
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         question = "What is the capital of France?"
-        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=12,
-                                               messages=[{"role": "user", "content": question}])
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=12, messages=[{"role": "user", "content": question}]
+        )
         assert "Paris" in reply.choices[0].message.content
-        assert reply.choices[0].message.content == generate(model, tokenizer, format_prompt(tokenizer, question),
-                                                            max_tokens=12)
+        assert reply.choices[0].message.content == generate(
+            model, tokenizer, format_prompt(tokenizer, question), max_tokens=12
+        )
     finally:
         http.should_exit = True
 
@@ -303,23 +354,15 @@ class ToolTokenizer:
 
 def test_tool_calls_reach_the_response(served, monkeypatch):
     """The HTTP wiring of tool calls, with the engine's text fixed to a Qwen3-style call."""
-    from types import SimpleNamespace
-
     from starlette.testclient import TestClient
 
     from dflash_mlx.serve import worker
+    from scripted_engine import scripted_batch
 
     _, model, tokenizer, _, _ = served
     pieces = ["Checking.", "<tool_", 'call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>']
 
-    def scripted(model, tokenizer, prompt, max_tokens, **options):
-        for i, text in enumerate(pieces):
-            yield SimpleNamespace(text=text, finish_reason="stop" if i == len(pieces) - 1 else None,
-                                  prompt_tokens=len(prompt), generation_tokens=i + 1, tau=1.0,
-                                  acceptance_histogram=[i + 1], widths=[1] * (i + 1), sources=["plain"] * (i + 1), block_size=4,
-                                  generation_tps=1.0, cached_tokens=0, logprobs=None, stop_sequence=None)
-
-    monkeypatch.setattr(worker, "stream_generate", scripted)
+    monkeypatch.setattr(worker, "BatchGenerator", scripted_batch(lambda prompt: pieces))
     app = make_app(model, ToolTokenizer(tokenizer), MODEL, prompt_cache_bytes=0, max_batch=1).app
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools}
@@ -354,8 +397,9 @@ def test_concurrent_requests_are_batched_and_each_is_exact(served):
     or seeded sampled, equals its offline run; n choices are the seeds seed, seed + 1, ..."""
     client, model, tokenizer, port, server = served
     jobs = [("one two", None), ("three", 5), ("four five six", None), ("seven", 9)]
-    expected = [generate(model, tokenizer, p, max_tokens=16, **({} if s is None else {"temp": 0.8, "seed": s}))
-                for p, s in jobs]
+    expected = [
+        generate(model, tokenizer, p, max_tokens=16, **({} if s is None else {"temp": 0.8, "seed": s})) for p, s in jobs
+    ]
     before = sum(n for (size, _), n in server.metrics.batch_steps.items() if size > 1)
     got = [None] * len(jobs)
     patient = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=5)  # 429: retry
@@ -375,4 +419,5 @@ def test_concurrent_requests_are_batched_and_each_is_exact(served):
 
     reply = client.completions.create(model=MODEL, prompt="one two", max_tokens=10, n=3, temperature=0.9, seed=4)
     assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [
-        generate(model, tokenizer, "one two", max_tokens=10, temp=0.9, seed=4 + k) for k in range(3)]
+        generate(model, tokenizer, "one two", max_tokens=10, temp=0.9, seed=4 + k) for k in range(3)
+    ]

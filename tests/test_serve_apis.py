@@ -14,9 +14,15 @@ langchain_openai = pytest.importorskip("langchain_openai", reason="the dev extra
 
 from dflash_mlx import generate, load, stream_generate  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
+from scripted_engine import scripted_batch  # noqa: E402
 
-WEATHER = {"name": "weather", "description": "Current weather of a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+pytestmark = pytest.mark.slow  # live servers and real clients
+
+WEATHER = {
+    "name": "weather",
+    "description": "Current weather of a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 CALL = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
@@ -28,9 +34,14 @@ def live(tiny_dirs):
     http, port = serve_in_background(server)
     base = f"http://127.0.0.1:{port}"
     yield SimpleNamespace(
-        model=model, tokenizer=tokenizer, port=port, base=base, server=server,
+        model=model,
+        tokenizer=tokenizer,
+        port=port,
+        base=base,
+        server=server,
         openai=openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
-        anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0))
+        anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0),
+    )
     http.should_exit = True
 
 
@@ -43,20 +54,14 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 def scripted(live, monkeypatch):
     """The engine replaced by a script: each request gets the next list of text pieces; the
     prompts it was asked to continue are recorded (token ids).  The one-at-a-time worker
-    runs the script (the batching one decodes for real)."""
+    runs in a worker of its own (the server's decodes for real)."""
     replies, prompts = [], []
 
-    def stream_generate(model, tokenizer, prompt, max_tokens, **options):
-        prompts.append(tokenizer.decode(prompt))
-        pieces = replies.pop(0)
-        for i, text in enumerate(pieces):
-            done = i == len(pieces) - 1
-            yield SimpleNamespace(text=text, finish_reason="stop" if done else None, prompt_tokens=len(prompt),
-                                  generation_tokens=i + 1, tau=1.0, acceptance_histogram=[i + 1],
-                                  widths=[1] * (i + 1), sources=["plain"] * (i + 1), block_size=4,
-                                  generation_tps=1.0, cached_tokens=0, logprobs=None, stop_sequence=None)
+    def reply(prompt):
+        prompts.append(live.tokenizer.decode(prompt))
+        return replies.pop(0)
 
-    monkeypatch.setattr(worker, "stream_generate", stream_generate)
+    monkeypatch.setattr(worker, "BatchGenerator", scripted_batch(reply))
     single = worker.Worker(live.model, live.tokenizer, 4)
     monkeypatch.setattr(live.server, "worker", single)
     yield replies, prompts
@@ -68,11 +73,15 @@ def scripted(live, monkeypatch):
 
 def test_anthropic_message_equals_offline_generation(live):
     messages = [{"role": "user", "content": "hello world"}]
-    reply = live.anthropic.messages.create(model="local-model", max_tokens=12, messages=messages,
-                                           system="You are terse.")
-    offline = generate(live.model, live.tokenizer,
-                       chat_ids(live.tokenizer, [{"role": "system", "content": "You are terse."}, *messages]),
-                       max_tokens=12)
+    reply = live.anthropic.messages.create(
+        model="local-model", max_tokens=12, messages=messages, system="You are terse."
+    )
+    offline = generate(
+        live.model,
+        live.tokenizer,
+        chat_ids(live.tokenizer, [{"role": "system", "content": "You are terse."}, *messages]),
+        max_tokens=12,
+    )
     assert reply.content[0].type == "text" and reply.content[0].text == offline
     assert reply.model == "tiny" and reply.role == "assistant" and reply.stop_reason == "max_tokens"
     assert reply.usage.output_tokens == 12 and reply.usage.input_tokens > 5
@@ -81,12 +90,17 @@ def test_anthropic_message_equals_offline_generation(live):
 
 def test_anthropic_stream_events_and_text(live):
     messages = [{"role": "user", "content": [{"type": "text", "text": "the cat"}]}]
-    with live.anthropic.messages.stream(model="tiny", max_tokens=10, messages=messages,
-                                        system=[{"type": "text", "text": "Be brief."}]) as stream:
+    with live.anthropic.messages.stream(
+        model="tiny", max_tokens=10, messages=messages, system=[{"type": "text", "text": "Be brief."}]
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
-    offline = generate(live.model, live.tokenizer, chat_ids(live.tokenizer, [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat"}]), max_tokens=10)
+    offline = generate(
+        live.model,
+        live.tokenizer,
+        chat_ids(live.tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat"}]),
+        max_tokens=10,
+    )
     assert final.content[0].text == offline and final.stop_reason == "max_tokens" and final.usage.output_tokens == 10
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert {"content_block_start", "content_block_stop", "message_delta"} <= set(kinds)
@@ -100,8 +114,12 @@ def test_anthropic_stop_sequences_sampling_and_extra_body(live):
     assert cut.content[0].text == full[: full.find(stop)]
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     # this SDK has no sampling arguments at all: they travel in extra_body
-    seeded = [live.anthropic.messages.create(**base, extra_body={"temperature": 0.9, "top_k": 50, "seed": 3,
-                                                                 "block_size": w}).content[0].text for w in (1, 4)]
+    seeded = [
+        live.anthropic.messages.create(**base, extra_body={"temperature": 0.9, "top_k": 50, "seed": 3, "block_size": w})
+        .content[0]
+        .text
+        for w in (1, 4)
+    ]
     assert seeded[0] == seeded[1] != full
 
 
@@ -122,9 +140,10 @@ def test_anthropic_tool_round_trip(live, scripted):
     use = first.content[1]
     assert use.name == "weather" and use.input == {"city": "Paris"}
     assert "weather" in prompts[0] and "input_schema" not in prompts[0]  # described to a template without tools
-    follow = question + [{"role": "assistant", "content": first.content},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                                       "content": "sunny, 21C"}]}]
+    follow = question + [
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21C"}]},
+    ]
     with live.anthropic.messages.stream(model="tiny", max_tokens=64, tools=tools, messages=follow) as stream:
         final = stream.get_final_message()
     assert final.content[0].text == "It is sunny in Paris." and final.stop_reason == "end_turn"
@@ -134,30 +153,68 @@ def test_anthropic_tool_round_trip(live, scripted):
 def test_anthropic_streamed_tool_use(live, scripted):
     replies, _ = scripted
     replies.append([CALL])
-    with live.anthropic.messages.stream(model="tiny", max_tokens=64, tools=[WEATHER],
-                                        messages=[{"role": "user", "content": "Weather?"}]) as stream:
+    with live.anthropic.messages.stream(
+        model="tiny", max_tokens=64, tools=[WEATHER], messages=[{"role": "user", "content": "Weather?"}]
+    ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[0].type == "tool_use"
     assert final.content[0].input == {"city": "Paris"}
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
-    ({"max_tokens": 4, "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
-    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
-     400, "text only"),
-    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled",
-                                                                                   "budget_tokens": 1024}},
-     400, "thinking"),
-    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
-      "tool_choice": {"type": "any"}}, 400, "tool_choice"),
-    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
-      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "custom tools"),
-])
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+        ({"max_tokens": 4, "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+                        ],
+                    }
+                ],
+            },
+            400,
+            "text only",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+            },
+            400,
+            "thinking",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [WEATHER],
+                "tool_choice": {"type": "any"},
+            },
+            400,
+            "tool_choice",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            400,
+            "custom tools",
+        ),
+    ],
+)
 def test_anthropic_errors(live, body, status, needle):
-    request = urllib.request.Request(live.base + "/v1/messages", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        live.base + "/v1/messages", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=60)
     reply = json.loads(caught.value.read())
@@ -170,21 +227,36 @@ def test_anthropic_errors(live, body, status, needle):
 
 
 def test_responses_equals_offline_generation(live):
-    reply = live.openai.responses.create(model="tiny", input="hello world", instructions="You are terse.",
-                                         max_output_tokens=12)
-    offline = generate(live.model, live.tokenizer, chat_ids(live.tokenizer, [
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello world"}]), max_tokens=12)
+    reply = live.openai.responses.create(
+        model="tiny", input="hello world", instructions="You are terse.", max_output_tokens=12
+    )
+    offline = generate(
+        live.model,
+        live.tokenizer,
+        chat_ids(
+            live.tokenizer,
+            [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello world"}],
+        ),
+        max_tokens=12,
+    )
     assert reply.output_text == offline and reply.status == "incomplete"
     assert reply.incomplete_details.reason == "max_output_tokens" and reply.usage.output_tokens == 12
 
 
 def test_responses_stream(live):
-    events = list(live.openai.responses.create(model="tiny", input=[{"role": "user", "content": [
-        {"type": "input_text", "text": "the cat"}]}], max_output_tokens=10, stream=True))
+    events = list(
+        live.openai.responses.create(
+            model="tiny",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "the cat"}]}],
+            max_output_tokens=10,
+            stream=True,
+        )
+    )
     kinds = [e.type for e in events]
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    offline = generate(live.model, live.tokenizer, chat_ids(live.tokenizer, [{"role": "user", "content": "the cat"}]),
-                       max_tokens=10)
+    offline = generate(
+        live.model, live.tokenizer, chat_ids(live.tokenizer, [{"role": "user", "content": "the cat"}]), max_tokens=10
+    )
     assert text == offline and events[-1].response.output_text == offline
     assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -193,13 +265,17 @@ def test_responses_stream(live):
 def test_responses_function_tool_round_trip(live, scripted):
     replies, prompts = scripted
     replies += [[CALL], ["Sunny."]]
-    tools = [{"type": "function", "name": "weather", "description": "Current weather",
-              "parameters": WEATHER["input_schema"]}]
+    tools = [
+        {"type": "function", "name": "weather", "description": "Current weather", "parameters": WEATHER["input_schema"]}
+    ]
     first = live.openai.responses.create(model="tiny", input="Weather in Paris?", tools=tools)
     (call,) = [item for item in first.output if item.type == "function_call"]
     assert call.name == "weather" and json.loads(call.arguments) == {"city": "Paris"}
-    follow = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
-              {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"}]
+    follow = [
+        {"role": "user", "content": "Weather in Paris?"},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"},
+    ]
     events = list(live.openai.responses.create(model="tiny", input=follow, tools=tools, stream=True))
     assert events[-1].response.output_text == "Sunny."
     assert "sunny, 21C" in prompts[1]
@@ -217,8 +293,10 @@ def test_openai_tool_loop(live, scripted):
     first = live.openai.chat.completions.create(model="tiny", messages=messages, tools=tools)
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls" and message.content is None
-    messages += [message.model_dump(exclude_none=False),
-                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny, 21C"}]
+    messages += [
+        message.model_dump(exclude_none=False),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny, 21C"},
+    ]
     assert messages[1]["content"] is None
     second = live.openai.chat.completions.create(model="tiny", messages=messages, tools=tools)
     assert second.choices[0].message.content == "Sunny." and "sunny, 21C" in prompts[1]
@@ -231,28 +309,34 @@ def test_n_choices_and_seeds(live):
     alone = [live.openai.chat.completions.create(**base, seed=s).choices[0].message.content for s in (7, 8)]
     assert [c.message.content for c in both.choices] == alone
     assert both.usage.completion_tokens == 16
-    streamed = live.openai.completions.create(model="tiny", prompt="the cat", max_tokens=6, n=2, seed=7,
-                                              temperature=1.0, stream=True)
+    streamed = live.openai.completions.create(
+        model="tiny", prompt="the cat", max_tokens=6, n=2, seed=7, temperature=1.0, stream=True
+    )
     texts = ["", ""]
     for chunk in streamed:
         for choice in chunk.choices:
             texts[choice.index] += choice.text
-    assert texts == [live.openai.completions.create(model="tiny", prompt="the cat", max_tokens=6, seed=s,
-                                                    temperature=1.0).choices[0].text for s in (7, 8)]
+    assert texts == [
+        live.openai.completions.create(model="tiny", prompt="the cat", max_tokens=6, seed=s, temperature=1.0)
+        .choices[0]
+        .text
+        for s in (7, 8)
+    ]
 
 
 def test_logprobs_are_the_targets(live):
     """logprobs of the committed tokens equal log-softmax of the target's own logits over the
     prompt and output (one plain forward), and greedy picks the top alternative."""
-    reply = live.openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the cat"}],
-                                                max_tokens=8, logprobs=True, top_logprobs=3)
+    reply = live.openai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "the cat"}], max_tokens=8, logprobs=True, top_logprobs=3
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == 8 and all(len(entry.top_logprobs) == 3 for entry in content)
     assert all(entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6) for entry in content)
     prompt = chat_ids(live.tokenizer, [{"role": "user", "content": "the cat"}])
     tokens = [t for r in stream_generate(live.model, live.tokenizer, prompt, max_tokens=8) for t in r.tokens]
-    logits = live.model.target.model(mx.array(prompt + tokens)[None])[0, len(prompt) - 1: -1].astype(mx.float32)
-    want = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    logits = live.model.target.model(mx.array(prompt + tokens)[None])[0, len(prompt) - 1 : -1].astype(mx.float32)
+    want = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     want = mx.take_along_axis(want, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
     assert [entry.logprob for entry in content] == pytest.approx(want, abs=1e-4)
     text = live.openai.completions.create(model="tiny", prompt="the cat", max_tokens=4, logprobs=2)
@@ -266,30 +350,50 @@ def test_structured_output(live):
 
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     messages = [{"role": "user", "content": "the cat"}]
-    offline = generate(live.model, live.tokenizer, chat_ids(live.tokenizer, messages), max_tokens=12,
-                       grammar=Grammar.json(live.tokenizer, live.model.target.vocab_size, schema))
+    offline = generate(
+        live.model,
+        live.tokenizer,
+        chat_ids(live.tokenizer, messages),
+        max_tokens=12,
+        grammar=Grammar.json(live.tokenizer, live.model.target.vocab_size, schema),
+    )
     assert offline.startswith('{"name"')
-    reply = live.openai.chat.completions.create(model="tiny", messages=messages, max_tokens=12, response_format={
-        "type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    reply = live.openai.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
     assert reply.choices[0].message.content == offline
-    response = live.openai.responses.create(model="tiny", input="the cat", max_output_tokens=12, text={
-        "format": {"type": "json_schema", "name": "person", "schema": schema}})
+    response = live.openai.responses.create(
+        model="tiny",
+        input="the cat",
+        max_output_tokens=12,
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema}},
+    )
     assert response.output_text == offline
-    anything = live.openai.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
-                                                   response_format={"type": "json_object"})
+    anything = live.openai.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, response_format={"type": "json_object"}
+    )
     assert anything.choices[0].message.content.startswith("{")
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
-    ({"n": 50}, "n must be"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "text only"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "text only"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        ({"n": 50}, "n must be"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+            "text only",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "text only"),
+    ],
+)
 def test_nothing_silently_ignored(live, extra, needle):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -299,18 +403,25 @@ def test_nothing_silently_ignored(live, extra, needle):
 
 def test_unknown_fields_are_reported_and_any_model_name_is_served(live):
     reply = live.openai.chat.completions.with_raw_response.create(
-        model="gpt-3.5-turbo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-        extra_body={"mirostat": 2})
+        model="gpt-3.5-turbo", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"mirostat": 2}
+    )
     assert reply.headers["x-dflash-ignored-fields"] == "mirostat"
     parsed = reply.parse()
     assert parsed.model == "tiny" and parsed.usage.model_extra["dflash"]["ignored_fields"] == ["mirostat"]
 
 
 def test_unknown_routes_and_methods_answer_json(live):
-    for path, method, status in (("/v1/nothing", "POST", 404), ("/v1/chat/completions", "GET", 405),
-                                 ("/v1/messages", "GET", 405)):
-        request = urllib.request.Request(live.base + path, method=method, data=b"{}" if method == "POST" else None,
-                                         headers={"Content-Type": "application/json"})
+    for path, method, status in (
+        ("/v1/nothing", "POST", 404),
+        ("/v1/chat/completions", "GET", 405),
+        ("/v1/messages", "GET", 405),
+    ):
+        request = urllib.request.Request(
+            live.base + path,
+            method=method,
+            data=b"{}" if method == "POST" else None,
+            headers={"Content-Type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(request, timeout=30)
         body = json.loads(caught.value.read())
@@ -322,9 +433,11 @@ def test_unknown_routes_and_methods_answer_json(live):
 
 
 def test_langchain_chat_openai(live):
-    chat = langchain_openai.ChatOpenAI(base_url=live.base + "/v1", api_key="none", max_tokens=10, max_retries=0,
-                                       temperature=0)
-    offline = generate(live.model, live.tokenizer, chat_ids(live.tokenizer, [{"role": "user", "content": "the cat"}]),
-                       max_tokens=10)
+    chat = langchain_openai.ChatOpenAI(
+        base_url=live.base + "/v1", api_key="none", max_tokens=10, max_retries=0, temperature=0
+    )
+    offline = generate(
+        live.model, live.tokenizer, chat_ids(live.tokenizer, [{"role": "user", "content": "the cat"}]), max_tokens=10
+    )
     assert chat.invoke("the cat").content == offline
     assert "".join(chunk.content for chunk in chat.stream("the cat")) == offline

@@ -8,10 +8,13 @@ from typer.testing import CliRunner
 
 from dflash_mlx import format_prompt
 from dflash_mlx.cli import app
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import Target
 from tiny_models import oracle_draft, random_draft
+
+pytestmark = pytest.mark.slow  # the real default model
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -39,8 +42,11 @@ def plain(target, prompt, max_tokens=MAX_TOKENS):
 
 def dflash(target, draft, prompt, max_tokens=MAX_TOKENS):
     stats = DecodeStats()
-    out = [t for s in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens,
-                             stats=stats) for t in s.tokens]
+    out = [
+        t
+        for s in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens, stats=stats)
+        for t in s.tokens
+    ]
     return out, stats
 
 
@@ -112,8 +118,10 @@ def test_cli_evaluates_a_drafter_on_held_out_data():
     from dflash_mlx.registry import DEFAULT_DRAFT
 
     data = Path(__file__).parent.parent / "data" / "smollm2-135m"
-    result = runner.invoke(app, ["train", "eval", "--data", str(data), "--draft", str(DEFAULT_DRAFT),
-                                 "--prompts", "1", "--max-tokens", "16"])
+    result = runner.invoke(
+        app,
+        ["train", "eval", "--data", str(data), "--draft", str(DEFAULT_DRAFT), "--prompts", "1", "--max-tokens", "16"],
+    )
     assert result.exit_code == 0, result.output
     assert float(result.output.split("held-out: tau ")[1].split()[0]) >= 1.0
     rates = [float(r) for r in result.output.split("acceptance by position: ")[1].split()]

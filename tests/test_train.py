@@ -15,7 +15,8 @@ from mlx_lm.generate import generate_step
 from dflash_mlx.convert.models import convert_draft
 from dflash_mlx.train.data import Example, read_data, read_datasets
 from dflash_mlx.drafters import load_draft
-from dflash_mlx.engine import DecodeStats, DFlashModel, decode
+from dflash_mlx.engine import decode
+from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.train.corpus import Window
 from dflash_mlx.train.packing import PackedContext, pack, sample_blocks
@@ -27,6 +28,8 @@ from dflash_mlx.train.fit import fit
 from dflash_mlx.train.labels import label_counts, target_pass
 from tiny_models import tiny_target
 
+pytestmark = pytest.mark.slow  # training runs
+
 MASK = 96
 
 
@@ -37,8 +40,14 @@ def test_stratified_layer_ids_match_z_lab():
 
 
 def make_examples(rng, n=3):
-    return [Example("p", [rng.randrange(90) for _ in range(rng.randint(2, 6))],
-                    [rng.randrange(90) for _ in range(rng.randint(3, 30))]) for _ in range(n)]
+    return [
+        Example(
+            "p",
+            [rng.randrange(90) for _ in range(rng.randint(2, 6))],
+            [rng.randrange(90) for _ in range(rng.randint(3, 30))],
+        )
+        for _ in range(n)
+    ]
 
 
 def test_labels_follow_the_targets_greedy_path():
@@ -59,7 +68,6 @@ def packed(rng, seqs, features, greedy, block_size, budget, vocab=None):
 def test_training_blocks_cut_to_drawn_verify_widths():
     """With widths, each block is as long as a verify width drawn from them (never longer than its
     labels allow), every width is drawn, the budget holds more blocks; without, nothing changes."""
-    rng = random.Random(0)
     seq = Example("p", [1, 2, 3], list(range(10, 90)))  # a response: every position fully labelled
     counts = label_counts(seq.tokens, np.array(seq.tokens[1:] + [0]), 16)
     full = sample_blocks(seq, counts, 200, random.Random(1))
@@ -79,13 +87,20 @@ def test_packed_blocks_see_exactly_their_own_past_and_block():
     seqs = make_examples(rng, 3) + [Window("w", [rng.randrange(90) for _ in range(20)])]
     L = max(len(s.tokens) for s in seqs)
     features = mx.random.normal((len(seqs), L, 6))
-    greedy = np.array([[s.tokens[i + 1] if i + 1 < len(s.tokens) and rng.random() < 0.7 else rng.randrange(90)
-                        for i in range(L)] for s in seqs])
+    greedy = np.array(
+        [
+            [s.tokens[i + 1] if i + 1 < len(s.tokens) and rng.random() < 0.7 else rng.randrange(90) for i in range(L)]
+            for s in seqs
+        ]
+    )
     blocks, batch = packed(rng, seqs, features, greedy, 5, 24, vocab=set(range(80)))
     visible = np.array(batch.visible)
     Q = visible.shape[2]
-    labels = dict(zip(np.array(batch.label_index).tolist(), zip(np.array(batch.labels).tolist(),
-                                                                np.array(batch.weights).tolist())))
+    labels = dict(
+        zip(
+            np.array(batch.label_index).tolist(), zip(np.array(batch.labels).tolist(), np.array(batch.weights).tolist())
+        )
+    )
     tokens = np.array(batch.block_tokens)[0]
     assert all(blocks) and batch.groups == len(seqs)
     for s, (seq, seq_blocks) in enumerate(zip(seqs, blocks)):
@@ -144,8 +159,9 @@ def test_packed_training_pass_equals_the_decode_pass(architecture):
             cache = draft.make_cache()
             draft.add_context(alone_features[:, :a], cache)
             alone = draft.run_layers(mx.array([[seq.tokens[a]] + [MASK] * n]), cache)[0]
-            np.testing.assert_allclose(np.array(out[s * Q + q : s * Q + q + n + 1]), np.array(alone),
-                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(
+                np.array(out[s * Q + q : s * Q + q + n + 1]), np.array(alone), rtol=1e-4, atol=1e-4
+            )
             q += n + 1
 
 
@@ -201,8 +217,9 @@ def test_a_dflash1_drafter_grown_into_dflash2_drafts_the_same():
 
 def test_the_selector_loss_is_zero_only_where_the_label_is_no_candidate():
     target = tiny_target("llama", seed=3)
-    draft = randomize_convolutions(new_drafter(target, TrainConfig(block_size=4, num_layers=1, num_target_layers=2,
-                                                                   **DFLASH2), MASK))
+    draft = randomize_convolutions(
+        new_drafter(target, TrainConfig(block_size=4, num_layers=1, num_target_layers=2, **DFLASH2), MASK)
+    )
     rng = random.Random(2)
     seqs = make_examples(rng, 3)
     head = RestrictedHead(output_embeddings(target), Counter(range(97)), 97)
@@ -235,9 +252,19 @@ def trained(tmp_path_factory):
     target = tiny_target("qwen3", seed=4)
     examples = self_distilled(target, 160, 48)
     out = tmp_path_factory.mktemp("drafter")
-    cfg = TrainConfig(block_size=4, num_layers=1, num_target_layers=2, mask_token_id=MASK, epochs=15,
-                      sequences_per_step=8, lr=3e-3, warmup_steps=10, eval_prompts=6, eval_max_tokens=32,
-                      checkpoint_every=100)
+    cfg = TrainConfig(
+        block_size=4,
+        num_layers=1,
+        num_target_layers=2,
+        mask_token_id=MASK,
+        epochs=15,
+        sequences_per_step=8,
+        lr=3e-3,
+        warmup_steps=10,
+        eval_prompts=6,
+        eval_max_tokens=32,
+        checkpoint_every=100,
+    )
     logs = []
     draft = fit(target, None, examples, out, cfg, show_progress=False, log=logs.append)
     return target, examples, out, draft, logs
@@ -248,6 +275,7 @@ def test_training_reduces_the_loss_and_learns(trained):
     history = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in history if "loss" in r]
     assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:5])
+    assert (out / "train_curve.png").stat().st_size > 1000  # the curve is drawn, not silently skipped
     # the real decode loop accepts drafted tokens on held-out prompts
     tau = evaluate_tau(target, draft, [e.prompt_ids for e in examples[-6:]], 32)
     assert tau > 1.3
@@ -264,8 +292,11 @@ def test_trained_drafter_round_trips_and_is_lossless(trained):
         prompt = mx.array(example.prompt_ids)
         reference = [int(t) for t, _ in generate_step(prompt, target.model, max_tokens=30)]
         stats = DecodeStats()
-        out_tokens = [t for s in decode(DFlashModel(target, reloaded), prompt, SamplingParams(), 30, stats=stats)
-                      for t in s.tokens]
+        out_tokens = [
+            t
+            for s in decode(DFlashModel(target, reloaded), prompt, SamplingParams(), 30, stats=stats)
+            for t in s.tokens
+        ]
         assert out_tokens == reference
 
 
@@ -273,9 +304,21 @@ def test_dflash2_training_learns_and_stays_lossless(tmp_path):
     """(With training blocks cut to verify widths 2-3 of its block of 4.)"""
     target = tiny_target("qwen3", seed=4)
     examples = self_distilled(target, 96, 40)
-    cfg = TrainConfig(block_size=4, num_layers=1, num_target_layers=2, mask_token_id=MASK, epochs=6,
-                      sequences_per_step=8, lr=3e-3, warmup_steps=5, eval_prompts=6, eval_max_tokens=24,
-                      checkpoint_every=100, block_widths=[2, 3], **DFLASH2)
+    cfg = TrainConfig(
+        block_size=4,
+        num_layers=1,
+        num_target_layers=2,
+        mask_token_id=MASK,
+        epochs=6,
+        sequences_per_step=8,
+        lr=3e-3,
+        warmup_steps=5,
+        eval_prompts=6,
+        eval_max_tokens=24,
+        checkpoint_every=100,
+        block_widths=[2, 3],
+        **DFLASH2,
+    )
     draft = fit(target, None, examples, tmp_path, cfg, show_progress=False, log=lambda *_: None)
     history = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in history if "loss" in r]
@@ -287,8 +330,11 @@ def test_dflash2_training_learns_and_stays_lossless(tmp_path):
         prompt = mx.array(example.prompt_ids)
         reference = [int(t) for t, _ in generate_step(prompt, target.model, max_tokens=24)]
         stats = DecodeStats()
-        got = [t for s in decode(DFlashModel(target, reloaded), prompt, SamplingParams(), 24, stats=stats)
-               for t in s.tokens]
+        got = [
+            t
+            for s in decode(DFlashModel(target, reloaded), prompt, SamplingParams(), 24, stats=stats)
+            for t in s.tokens
+        ]
         assert got == reference
     assert stats.tau > 1
 
@@ -316,8 +362,14 @@ def test_bad_training_input(tmp_path):
         read_data(tmp_path / "nowhere")
     target = tiny_target("llama")
     with pytest.raises(ValueError, match="held-out"):
-        fit(target, None, [Example("p", [1, 2], [3, 4])] * 3, tmp_path / "o", TrainConfig(mask_token_id=MASK),
-            show_progress=False)
+        fit(
+            target,
+            None,
+            [Example("p", [1, 2], [3, 4])] * 3,
+            tmp_path / "o",
+            TrainConfig(mask_token_id=MASK),
+            show_progress=False,
+        )
 
 
 def test_position_acceptance_is_conditional():
@@ -329,8 +381,16 @@ def test_training_starts_from_a_quantized_drafter(trained, tmp_path):
     """The shipped drafter is 8-bit: a warm start expands it and trains float weights."""
     target, examples, out, _, _ = trained
     q8 = convert_draft(str(out), tmp_path / "q8", q_bits=8, q_group_size=32, show_progress=False)
-    cfg = TrainConfig(init_from=str(q8), num_layers=1, sequences_per_step=4, steps=2, warmup_steps=1,
-                      eval_prompts=2, eval_max_tokens=8, checkpoint_every=100)
+    cfg = TrainConfig(
+        init_from=str(q8),
+        num_layers=1,
+        sequences_per_step=4,
+        steps=2,
+        warmup_steps=1,
+        eval_prompts=2,
+        eval_max_tokens=8,
+        checkpoint_every=100,
+    )
     draft = fit(target, None, examples, tmp_path / "warm", cfg, show_progress=False, log=lambda *_: None)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules())
     assert "quantization" not in json.loads((tmp_path / "warm" / "config.json").read_text())
@@ -351,3 +411,45 @@ def test_several_data_dirs_keep_the_first_dirs_held_out_examples(tmp_path):
     assert {e.prompt for e in training} >= {f"added {i}" for i in range(5)}
     with pytest.raises(ValueError, match="no data dir"):
         read_datasets(" , ", fingerprint)
+
+
+def test_make_data_runs_on_a_gated_delta_target_from_the_cli(tiny_dirs, tmp_path):
+    """`train make-data` on a Qwen3.5-style target (GatedDeltaNet layers): the loaded target is
+    used as it is, not wrapped a second time (which hid its recurrent mixers and refused it)."""
+    import shutil
+
+    from mlx_lm.utils import save_config, save_model
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+    from tiny_models import _config, tiny_model
+
+    model_dir = tmp_path / "qwen3_5"
+    _, config = _config("qwen3_5")
+    config["vocab_size"] = 320  # the tiny tokenizer's
+    save_model(model_dir, tiny_model("qwen3_5", seed=1, vocab_size=320))
+    save_config(config, model_dir / "config.json")
+    for tokenizer_file in tiny_dirs[0].glob("tokenizer*"):
+        shutil.copy(tokenizer_file, model_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\nsay something\n")
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "make-data",
+            "--model",
+            str(model_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "data"),
+            "--max-tokens",
+            "6",
+            "--batch-size",
+            "2",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    shard = [json.loads(line) for line in (tmp_path / "data" / "shard-00000.jsonl").read_text().splitlines()]
+    assert len(shard) == 2 and all(0 < len(e["response_ids"]) <= 6 for e in shard)

@@ -18,20 +18,38 @@ zlab = pytest.importorskip("dflash.model_mlx", reason="z-lab's dflash package is
 VARIANTS = {
     "plain": {},
     "sliding": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
-    "rope_parameters-yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0,
-                                                 "original_max_position_embeddings": 64}},
-    "rope_parameters-llama3": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0, "rope_theta": 5000.0,
-                                                   "original_max_position_embeddings": 64}},
-    "logit-fields": {"dflash_config": {"output_multiplier": 0.5, "final_logit_softcapping": 3.0,
-                                       "input_embedding_scale": 1.7}},
+    "rope_parameters-yarn": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 5000.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+    "rope_parameters-llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "rope_theta": 5000.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+    "logit-fields": {
+        "dflash_config": {"output_multiplier": 0.5, "final_logit_softcapping": 3.0, "input_embedding_scale": 1.7}
+    },
     "causal": {"is_causal": True},
 }
 
 
 def write_drafter(target, folder, variant: dict, seed: int = 3):
-    save_draft(random_draft(target, seed=seed, layer_ids=(0, 2), block_size=6, num_hidden_layers=2,
-                            layer_types=["full_attention"] * 2), folder)
+    save_draft(
+        random_draft(
+            target, seed=seed, layer_ids=(0, 2), block_size=6, num_hidden_layers=2, layer_types=["full_attention"] * 2
+        ),
+        folder,
+    )
     config = json.loads((folder / "config.json").read_text())
     for key, value in variant.items():
         if key == "dflash_config":
@@ -88,15 +106,21 @@ def test_the_fields_really_change_the_logits(tmp_path):
             assert np.abs(logits[name] - logits["plain"]).max() > 1e-3, name
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("hidden_act", "gelu", "hidden_act"),
-    ("attn_logit_softcapping", 30.0, "attn_logit_softcapping"),
-    ("dflash_config", {"conv_kernel_size": 4}, "DFlash 2 field"),
-    ("dflash_config", {"mystery_knob": 1}, "unknown dflash_config field 'mystery_knob'"),
-    ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-     "partial_rotary_factor"),
-    ("rope_parameters", {"rope_type": "warp-drive", "rope_theta": 1e4}, "RoPE"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("hidden_act", "gelu", "hidden_act"),
+        ("attn_logit_softcapping", 30.0, "attn_logit_softcapping"),
+        ("dflash_config", {"conv_kernel_size": 4}, "DFlash 2 field"),
+        ("dflash_config", {"mystery_knob": 1}, "unknown dflash_config field 'mystery_knob'"),
+        (
+            "rope_parameters",
+            {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            "partial_rotary_factor",
+        ),
+        ("rope_parameters", {"rope_type": "warp-drive", "rope_theta": 1e4}, "RoPE"),
+    ],
+)
 def test_fields_we_do_not_implement_are_refused(field, value, message, tmp_path):
     target = tiny_target("qwen3", seed=7)
     folder = write_drafter(target, tmp_path / "d", {field: value})
@@ -104,8 +128,21 @@ def test_fields_we_do_not_implement_are_refused(field, value, message, tmp_path)
         load_draft(folder)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss",
-                                        "gemma4_text", "gemma4", "deepseek_v3", "kimi_k25"])
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_5",
+        "qwen3_next",
+        "gpt_oss",
+        "gemma4_text",
+        "gemma4",
+        "deepseek_v3",
+        "kimi_k25",
+    ],
+)
 def test_target_features_match_zlab(model_type):
     """The outputs of target_layer_ids, ours (through the model's own forward) against
     z-lab's layer hooks on an untouched twin of the same model."""
@@ -127,8 +164,9 @@ def test_dflash2_drafts_match_zlab(model_type, layer_types, tmp_path, monkeypatc
     z-lab's loader: same block logits, same greedy path through the candidates."""
     target = tiny_target(model_type, seed=7)
     extra = {"sliding_window": 8} if "sliding_attention" in layer_types else {}
-    save_draft(random_dflash2(target, seed=3, layer_ids=(0, 2), block_size=6, layer_types=layer_types, **extra),
-               tmp_path / "d")
+    save_draft(
+        random_dflash2(target, seed=3, layer_ids=(0, 2), block_size=6, layer_types=layer_types, **extra), tmp_path / "d"
+    )
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 4
     ours = load_draft(tmp_path / "d", dtype=mx.float32).bind(target)

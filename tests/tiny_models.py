@@ -3,6 +3,7 @@
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from dflash_mlx.costs import CostModel
 from dflash_mlx.drafters import DFlashDraftModel, DraftArgs
 from dflash_mlx.drafters.dflash import ContextRows
 from dflash_mlx.target import Target
@@ -28,12 +29,29 @@ def _common(model_type: str) -> dict:
     )
 
 
-GATED_DELTA = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                   linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2)
+GATED_DELTA = dict(
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-DEEPSEEK = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-                first_k_dense_replace=1, n_group=1, topk_group=1)
+DEEPSEEK = dict(
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
 
 
 def _config(model_type: str) -> tuple[str, dict]:
@@ -44,17 +62,30 @@ def _config(model_type: str) -> tuple[str, dict]:
     elif model_type in ("qwen3_5", "qwen3_5_moe"):
         if model_type == "qwen3_5_moe":
             config.update(MOE, shared_expert_intermediate_size=32)
-        config.update(GATED_DELTA, rope_parameters={"type": "default", "rope_theta": 10000.0,
-                                                    "partial_rotary_factor": 0.5})
+        config.update(
+            GATED_DELTA, rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        )
     elif model_type == "qwen3_next":
-        config.update({**MOE, **GATED_DELTA}, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                      shared_expert_intermediate_size=32, partial_rotary_factor=0.5)
+        config.update(
+            {**MOE, **GATED_DELTA},
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=32,
+            partial_rotary_factor=0.5,
+        )
     elif model_type == "gpt_oss":  # attention sinks, alternating sliding layers, MoE
         config.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
     elif model_type in ("gemma4_text", "gemma4"):
         # sliding + full layers, a shared-KV layer, per-layer inputs, soft-capped logits
-        config.update(global_head_dim=16, num_kv_shared_layers=1, hidden_size_per_layer_input=8,
-                      vocab_size_per_layer_input=VOCAB, sliding_window=8, sliding_window_pattern=2)
+        config.update(
+            global_head_dim=16,
+            num_kv_shared_layers=1,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            sliding_window=8,
+            sliding_window_pattern=2,
+        )
         if model_type == "gemma4":  # the multimodal wrapper around gemma4_text
             config = dict(model_type="gemma4", vocab_size=VOCAB, text_config={**config, "model_type": "gemma4_text"})
     elif model_type in ("deepseek_v3", "kimi_k25"):  # MLA attention, routed + shared experts
@@ -87,16 +118,26 @@ def tiny_target(model_type: str, seed: int = 0, **overrides) -> Target:
 
 
 def draft_args(target: Target, layer_ids=(0, 2), block_size=8, **overrides) -> DraftArgs:
-    return DraftArgs(**{
-        **dict(
-            hidden_size=target.hidden_size, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=target.vocab_size,
-            target_layer_ids=list(layer_ids), mask_token_id=target.vocab_size - 1,
-            block_size=block_size, num_target_layers=target.num_layers, rms_norm_eps=1e-5,
-            rope_theta=10000.0,
-        ),
-        **overrides,
-    })
+    return DraftArgs(
+        **{
+            **dict(
+                hidden_size=target.hidden_size,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                intermediate_size=64,
+                vocab_size=target.vocab_size,
+                target_layer_ids=list(layer_ids),
+                mask_token_id=target.vocab_size - 1,
+                block_size=block_size,
+                num_target_layers=target.num_layers,
+                rms_norm_eps=1e-5,
+                rope_theta=10000.0,
+            ),
+            **overrides,
+        }
+    )
 
 
 def random_draft(target: Target, seed: int = 1, **kwargs) -> DFlashDraftModel:
@@ -106,8 +147,9 @@ def random_draft(target: Target, seed: int = 1, **kwargs) -> DFlashDraftModel:
     return model.bind(target)
 
 
-DFLASH2 = dict(architecture="DFlash2DraftModel", conv_kernel_size=3, conv_group_size=8, selector_rank=8,
-               selector_top_k=4)
+DFLASH2 = dict(
+    architecture="DFlash2DraftModel", conv_kernel_size=3, conv_group_size=8, selector_rank=8, selector_top_k=4
+)
 
 
 def random_dflash2(target: Target, seed: int = 1, **kwargs) -> DFlashDraftModel:
@@ -136,8 +178,9 @@ class OracleDraft(DFlashDraftModel):
 
     def __call__(self, block, cache):
         if isinstance(cache[0], ContextRows):  # several rows' blocks: each as alone
-            return mx.concatenate([self(block[i : i + 1], [layer.rows[i] for layer in cache])
-                                   for i in range(block.shape[0])])
+            return mx.concatenate(
+                [self(block[i : i + 1], [layer.rows[i] for layer in cache]) for i in range(block.shape[0])]
+            )
         start = cache[0].offset  # position of block[0]
         L = block.shape[1]
         tokens = []
@@ -177,3 +220,27 @@ def rows_oracle_draft(target: Target, references: list[list[int]], wrong: list[s
     model = RowsOracleDraft(draft_args(target, **kwargs), references, wrong)
     mx.eval(model.parameters())
     return model.bind(target)
+
+
+class Clock:
+    """An injected clock: each target pass advances it by what the cost curve says it costs."""
+
+    def __init__(self, cost: CostModel):
+        self.cost, self.now = cost, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Timed:
+    """A target whose passes take what `clock`'s curve says (for the decoder's clock)."""
+
+    def __init__(self, target, clock: Clock):
+        self.target, self.clock = target, clock
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.clock.now += self.clock.cost.verify(tokens.shape[0] * tokens.shape[1])
+        return self.target(tokens, *args, **kwargs)

@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import make_sampler
 from ..api import format_prompt, stream_generate
 from ..fused_ops import unfused
 from .prompt_sets import load_prompts
-from ..engine import DFlashModel
+from ..model import DFlashModel
 from ..io.progress import add_task, progress
 
 SAMPLED = {"temp": 0.7, "top_p": 0.95}
@@ -61,18 +61,32 @@ def _plain(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed) -> Run
     sampler = make_sampler(**SAMPLED) if mode == "sampled" else None
     mx.reset_peak_memory()
     with unfused(model.target.model):  # mlx-lm's own ops, not our compiled norms and RoPEs
-        last, tps = _timed(mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens,
-                                               sampler=sampler))
+        last, tps = _timed(
+            mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler)
+        )
     return Run("", 0, "plain", mode, last.generation_tokens, tps, last.prompt_tps, mx.get_peak_memory() / 1e9)
 
 
 def _dflash(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed, block_size) -> Run:
     options = dict(temp=SAMPLED["temp"], top_p=SAMPLED["top_p"]) if mode == "sampled" else {}
-    last, tps = _timed(stream_generate(model, tokenizer, prompt, max_tokens, seed=seed, block_size=block_size,
-                                       **options))
-    return Run("", 0, "dflash", mode, last.generation_tokens, tps, last.prompt_tps,
-               last.peak_memory, last.tau, last.acceptance_histogram, last.sources.count("plain"),
-               len(last.sources), last.sources.count("lookup"))
+    last, tps = _timed(
+        stream_generate(model, tokenizer, prompt, max_tokens, seed=seed, block_size=block_size, **options)
+    )
+    return Run(
+        "",
+        0,
+        "dflash",
+        mode,
+        last.generation_tokens,
+        tps,
+        last.prompt_tps,
+        last.peak_memory,
+        last.tau,
+        last.acceptance_histogram,
+        last.sources.count("plain"),
+        len(last.sources),
+        last.sources.count("lookup"),
+    )
 
 
 def run_bench(
@@ -108,8 +122,10 @@ def run_bench(
             for i, text in enumerate(texts):
                 prompt = format_prompt(tokenizer, text)
                 for mode in modes:
-                    runners = {"plain": lambda: _plain(model, tokenizer, prompt, max_tokens, mode, i),
-                               "dflash": lambda: _dflash(model, tokenizer, prompt, max_tokens, mode, i, block_size)}
+                    runners = {
+                        "plain": lambda: _plain(model, tokenizer, prompt, max_tokens, mode, i),
+                        "dflash": lambda: _dflash(model, tokenizer, prompt, max_tokens, mode, i, block_size),
+                    }
                     # which decoder goes first alternates, so going first or second favours neither
                     order = ["plain", "dflash"] if i % 2 == 0 else ["dflash", "plain"]
                     done = {name: runners[name]() for name in order}
@@ -119,8 +135,14 @@ def run_bench(
                     runs += pair
                     speedup = pair[1].generation_tps / max(pair[0].generation_tps, 1e-9)
                     bar.update(task, advance=1, info=f"{name} #{i} {mode}: {speedup:.2f}x tau {pair[1].tau:.2f}")
-    results = {"label": label, "machine": machine(), "max_tokens": max_tokens, "block_size": block_size,
-               "summary": summarize(runs, sets, modes), "runs": [asdict(r) for r in runs]}
+    results = {
+        "label": label,
+        "machine": machine(),
+        "max_tokens": max_tokens,
+        "block_size": block_size,
+        "summary": summarize(runs, sets, modes),
+        "runs": [asdict(r) for r in runs],
+    }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
     try:
@@ -133,8 +155,10 @@ def run_bench(
 
 
 def machine() -> str:
-    return f"{platform.system()} {platform.machine()}, {platform.processor() or 'cpu'}, mlx {mx.__version__}, " \
-           f"{'Metal' if mx.metal.is_available() else 'CPU'}"
+    return (
+        f"{platform.system()} {platform.machine()}, {platform.processor() or 'cpu'}, mlx {mx.__version__}, "
+        f"{'Metal' if mx.metal.is_available() else 'CPU'}"
+    )
 
 
 def summarize(runs: list[Run], sets: list[str], modes: list[str]) -> list[dict]:
@@ -148,36 +172,43 @@ def summarize(runs: list[Run], sets: list[str], modes: list[str]) -> list[dict]:
                 continue
             speedups = [d.generation_tps / max(p.generation_tps, 1e-9) for p, d in zip(plain, dflash)]
             histogram = [sum(col) for col in zip(*[d.histogram for d in dflash])] if dflash else []
-            rows.append({
-                "set": name, "mode": mode, "prompts": len(plain),
-                "plain_tps": statistics.median(r.generation_tps for r in plain),
-                "dflash_tps": statistics.median(r.generation_tps for r in dflash),
-                "speedup": statistics.median(speedups),
-                "min_speedup": min(speedups),
-                "tau": statistics.mean(r.tau for r in dflash),
-                "plain_prompt_tps": statistics.median(r.prompt_tps for r in plain),
-                "dflash_prompt_tps": statistics.median(r.prompt_tps for r in dflash),
-                "plain_peak_gb": max(r.peak_memory_gb for r in plain),
-                "dflash_peak_gb": max(r.peak_memory_gb for r in dflash),
-                "plain_cycle_share": sum(r.plain_cycles for r in dflash) / max(sum(r.cycles for r in dflash), 1),
-                "lookup_cycle_share": sum(r.lookup_cycles for r in dflash) / max(sum(r.cycles for r in dflash), 1),
-                "histogram": histogram,
-            })
+            rows.append(
+                {
+                    "set": name,
+                    "mode": mode,
+                    "prompts": len(plain),
+                    "plain_tps": statistics.median(r.generation_tps for r in plain),
+                    "dflash_tps": statistics.median(r.generation_tps for r in dflash),
+                    "speedup": statistics.median(speedups),
+                    "min_speedup": min(speedups),
+                    "tau": statistics.mean(r.tau for r in dflash),
+                    "plain_prompt_tps": statistics.median(r.prompt_tps for r in plain),
+                    "dflash_prompt_tps": statistics.median(r.prompt_tps for r in dflash),
+                    "plain_peak_gb": max(r.peak_memory_gb for r in plain),
+                    "dflash_peak_gb": max(r.peak_memory_gb for r in dflash),
+                    "plain_cycle_share": sum(r.plain_cycles for r in dflash) / max(sum(r.cycles for r in dflash), 1),
+                    "lookup_cycle_share": sum(r.lookup_cycles for r in dflash) / max(sum(r.cycles for r in dflash), 1),
+                    "histogram": histogram,
+                }
+            )
     return rows
 
 
 def markdown(results: dict) -> str:
-    lines = [f"{results['label']} — {results['machine']}, max {results['max_tokens']} tokens, "
-             f"block {results['block_size'] or 'adaptive'}; medians over prompts",
-             "",
-             "| set | mode | prompts | plain tok/s | DFlash tok/s | speedup (median) | min | tau | "
-             "plain / lookup cycles | prompt tok/s (plain / DFlash) | peak GB (plain / DFlash) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{results['label']} — {results['machine']}, max {results['max_tokens']} tokens, "
+        f"block {results['block_size'] or 'adaptive'}; medians over prompts",
+        "",
+        "| set | mode | prompts | plain tok/s | DFlash tok/s | speedup (median) | min | tau | "
+        "plain / lookup cycles | prompt tok/s (plain / DFlash) | peak GB (plain / DFlash) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["summary"]:
         lines.append(
             f"| {r['set']} | {r['mode']} | {r['prompts']} | {r['plain_tps']:.1f} | {r['dflash_tps']:.1f} | "
             f"{r['speedup']:.2f}x | {r['min_speedup']:.2f}x | {r['tau']:.2f} | {100 * r['plain_cycle_share']:.0f}% / "
             f"{100 * r.get('lookup_cycle_share', 0):.0f}% | "
             f"{r['plain_prompt_tps']:.0f} / {r['dflash_prompt_tps']:.0f} | "
-            f"{r['plain_peak_gb']:.2f} / {r['dflash_peak_gb']:.2f} |")
+            f"{r['plain_peak_gb']:.2f} / {r['dflash_peak_gb']:.2f} |"
+        )
     return "\n".join(lines) + "\n"

@@ -4,6 +4,10 @@ import json
 from pathlib import Path
 
 
+class MissingMatplotlib(ImportError):
+    pass
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -11,7 +15,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'dflash-mlx[plots]'") from None
+        raise MissingMatplotlib("plots need matplotlib: pip install 'dflash-mlx[plots]'") from None
     return plt
 
 

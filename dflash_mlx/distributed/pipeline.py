@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..target import StandIn, Target, TargetCache, _model_parts
+from ..target import StandIn, Target, TargetCache, model_parts
 from ..distributed import DistributedError
 
 DRIVER = 0
@@ -47,8 +47,11 @@ def connect(timeout: float):
     if deadline == 0:  # only sleeps, writes and signals: safe in a fork
         time.sleep(timeout)
         if os.getppid() == parent:
-            os.write(2, f"error: rank {rank}: connecting to the other ranks: no answer in {timeout:g} s (check "
-                        "the hosts, the network, and that every host runs the same command)\n".encode())
+            os.write(
+                2,
+                f"error: rank {rank}: connecting to the other ranks: no answer in {timeout:g} s (check "
+                "the hosts, the network, and that every host runs the same command)\n".encode(),
+            )
             os.kill(parent, signal.SIGKILL)
         os._exit(0)
     try:
@@ -68,8 +71,9 @@ def parse_split(text: str) -> list[int]:
     try:
         return [int(n) for n in text.split(",")]
     except ValueError:
-        raise ValueError(f"--split must be comma-separated layer counts, one per rank (rank 0 first), "
-                         f"got {text!r}") from None
+        raise ValueError(
+            f"--split must be comma-separated layer counts, one per rank (rank 0 first), got {text!r}"
+        ) from None
 
 
 @dataclass
@@ -91,8 +95,10 @@ class StageStats:
 
     def describe(self) -> str:
         n = max(self.passes, 1)
-        return (f"{self.compute_s / n * 1e3:.1f} ms compute, {self.wait_s / n * 1e3:.1f} ms waiting, "
-                f"{self.after_s / n * 1e3:.1f} ms handing on, {self.bytes_sent / n / 1024:.1f} KiB sent per pass")
+        return (
+            f"{self.compute_s / n * 1e3:.1f} ms compute, {self.wait_s / n * 1e3:.1f} ms waiting, "
+            f"{self.after_s / n * 1e3:.1f} ms handing on, {self.bytes_sent / n / 1024:.1f} KiB sent per pass"
+        )
 
 
 class Watchdog:
@@ -114,8 +120,9 @@ class Watchdog:
         except DistributedError:
             raise
         except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
-            raise DistributedError(f"rank {self.rank}: {what}: {str(e).strip()}; another rank stopped "
-                                   "or the link failed") from None
+            raise DistributedError(
+                f"rank {self.rank}: {what}: {str(e).strip()}; another rank stopped or the link failed"
+            ) from None
         finally:
             self._deadline = None
 
@@ -124,8 +131,10 @@ class Watchdog:
             time.sleep(0.1)
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
-                sys.stderr.write(f"error: rank {self.rank}: {self._what}: no answer from the other ranks in "
-                                 f"{self._timeout:g} s (a rank stopped or the link is down)\n")
+                sys.stderr.write(
+                    f"error: rank {self.rank}: {self._what}: no answer from the other ranks in "
+                    f"{self._timeout:g} s (a rank stopped or the link is down)\n"
+                )
                 sys.stderr.flush()
                 os._exit(3)
 
@@ -236,12 +245,14 @@ class PipelineTarget(Target):
         super().__init__(model)
         self.group, self.rank, self.size = group, group.rank(), group.size()
         self.timeout = timeout
-        _, inner = _model_parts(model)
+        _, inner = model_parts(model)
         total = len(inner.layers)
         split = list(split) if split else even_split(total, self.size)
         if len(split) != self.size or min(split) < 1 or sum(split) != total:
-            raise ValueError(f"split {split} must give each of the {self.size} ranks >= 1 layer and sum to "
-                             f"the model's {total} layers")
+            raise ValueError(
+                f"split {split} must give each of the {self.size} ranks >= 1 layer and sum to "
+                f"the model's {total} layers"
+            )
         self.start = sum(split[self.rank + 1 :])
         self.end = self.start + split[self.rank]
         self._total = total
@@ -268,14 +279,18 @@ class PipelineTarget(Target):
 
     def _check_uniform(self, inner):
         if inner.get("norm") is None:
-            raise ValueError(f"target model type {self.model_type!r} has no final norm to gather the pipeline's "
-                             "output at; it cannot be split")
+            raise ValueError(
+                f"target model type {self.model_type!r} has no final norm to gather the pipeline's "
+                "output at; it cannot be split"
+            )
         kinds = {type(c).__name__ for c in make_prompt_cache(self.model)}
         classes = {type(layer.inner).__name__ for layer in inner.layers}
         if len(kinds) > 1 or len(classes) > 1:
-            raise ValueError(f"target model type {self.model_type!r}: mlx-lm gives it no pipeline() and its layers "
-                             f"are not all alike (caches {sorted(kinds)}, layers {sorted(classes)}), so its own "
-                             "forward cannot run a contiguous slice of them; run it on one machine")
+            raise ValueError(
+                f"target model type {self.model_type!r}: mlx-lm gives it no pipeline() and its layers "
+                f"are not all alike (caches {sorted(kinds)}, layers {sorted(classes)}), so its own "
+                "forward cannot run a contiguous slice of them; run it on one machine"
+            )
 
     @property
     def is_driver(self) -> bool:
@@ -307,8 +322,9 @@ class PipelineTarget(Target):
     def __call__(self, tokens, cache, feature_layers=(), logits_for_last_only=False):
         if self.is_driver:
             ids = tokens.reshape(-1).tolist()
-            self._queue(FORWARD, cache.id, int(logits_for_last_only), len(feature_layers), *feature_layers,
-                        len(ids), *ids)
+            self._queue(
+                FORWARD, cache.id, int(logits_for_last_only), len(feature_layers), *feature_layers, len(ids), *ids
+            )
             self._flush()
         return self._forward(tokens, cache, feature_layers, logits_for_last_only)
 
@@ -348,8 +364,10 @@ class PipelineTarget(Target):
 
     def _features(self, captured, feature_layers, length):
         """Each rank's share of the features, the others' zero; summed over the ranks."""
-        parts = [captured[i] if i in captured else mx.zeros((1, length, self.hidden_size), dtype=self.dtype)
-                 for i in feature_layers]
+        parts = [
+            captured[i] if i in captured else mx.zeros((1, length, self.hidden_size), dtype=self.dtype)
+            for i in feature_layers
+        ]
         return mx.distributed.all_sum(mx.concatenate(parts, axis=-1), group=self.group)
 
     def _exchange_stats(self) -> list[StageStats]:
@@ -367,7 +385,11 @@ class PipelineTarget(Target):
             raise RuntimeError("rank 0 drives the pipeline; follow() is for the other ranks")
         caches: dict[int, TargetCache] = {}
         while True:
-            with self.watchdog.waiting("waiting for rank 0", None) if wait_forever else self._waiting("waiting for rank 0"):
+            with (
+                self.watchdog.waiting("waiting for rank 0", None)
+                if wait_forever
+                else self._waiting("waiting for rank 0")
+            ):
                 program, nbytes = self.channel.receive()
             self.stats.bytes_sent += nbytes
             i = 0
@@ -396,8 +418,9 @@ class PipelineTarget(Target):
                 elif op == STOP:
                     return self._exchange_stats()
                 else:
-                    raise DistributedError(f"rank {self.rank}: unknown pipeline op {op}: ranks run "
-                                           "different dflash-mlx versions?")
+                    raise DistributedError(
+                        f"rank {self.rank}: unknown pipeline op {op}: ranks run different dflash-mlx versions?"
+                    )
 
 
 def describe_ranks(ranks: list[StageStats], last) -> str:
@@ -405,6 +428,8 @@ def describe_ranks(ranks: list[StageStats], last) -> str:
     lines = [f"rank {r}: {s.describe()} ({s.passes:.0f} passes)" for r, s in enumerate(ranks)]
     if last is not None and last.generation_tokens:
         sent = sum(s.bytes_sent for s in ranks)
-        lines.append(f"{last.generation_tokens} tokens at {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
-                     f"{sent / last.generation_tokens / 1024:.1f} KiB sent per token (all ranks, prompt included)")
+        lines.append(
+            f"{last.generation_tokens} tokens at {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
+            f"{sent / last.generation_tokens / 1024:.1f} KiB sent per token (all ranks, prompt included)"
+        )
     return "\n".join(lines)

@@ -58,19 +58,25 @@ class DraftArgs:
         if self.block_size < 2:
             raise DraftLoadError(f"drafter config: block_size must be >= 2, got {self.block_size}")
         if self.architecture not in ARCHITECTURES:
-            raise DraftLoadError(f"drafter architecture {self.architecture!r} is not supported "
-                                 f"({' or '.join(ARCHITECTURES)})")
+            raise DraftLoadError(
+                f"drafter architecture {self.architecture!r} is not supported ({' or '.join(ARCHITECTURES)})"
+            )
         values = {k: getattr(self, k) for k in DFLASH2_KEYS}
         if self.dflash2 and not all(isinstance(v, int) and v > 0 for v in values.values()):
             bad = next(k for k, v in values.items() if not (isinstance(v, int) and v > 0))
-            raise DraftLoadError(f"drafter config: a DFlash 2 drafter needs dflash_config.{bad} > 0, got {values[bad]!r}")
+            raise DraftLoadError(
+                f"drafter config: a DFlash 2 drafter needs dflash_config.{bad} > 0, got {values[bad]!r}"
+            )
         if not self.dflash2 and any(values.values()):
             bad = next(k for k, v in values.items() if v)
-            raise DraftLoadError(f"drafter config: {bad} is a DFlash 2 field, but the architecture "
-                                 "says DFlashDraftModel; fix the config's architectures")
+            raise DraftLoadError(
+                f"drafter config: {bad} is a DFlash 2 field, but the architecture "
+                "says DFlashDraftModel; fix the config's architectures"
+            )
         if self.dflash2 and self.hidden_size % self.conv_group_size:
-            raise DraftLoadError(f"drafter config: conv_group_size {self.conv_group_size} does not divide "
-                                 f"hidden_size {self.hidden_size}")
+            raise DraftLoadError(
+                f"drafter config: conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}"
+            )
 
     @classmethod
     def from_config(cls, config: dict) -> "DraftArgs":
@@ -79,12 +85,15 @@ class DraftArgs:
         dflash = config.get("dflash_config") or {}
         unknown = sorted(set(dflash) - DFLASH_CONFIG_KEYS)
         if unknown:
-            raise DraftLoadError(f"drafter config: unknown dflash_config field {unknown[0]!r}; "
-                                 "this drafter needs a newer dflash-mlx")
+            raise DraftLoadError(
+                f"drafter config: unknown dflash_config field {unknown[0]!r}; this drafter needs a newer dflash-mlx"
+            )
         for key, allowed in UNSUPPORTED_FIELDS.items():
             if key in config and config[key] not in allowed:
-                raise DraftLoadError(f"drafter config: {key}={config[key]!r} is not supported "
-                                     f"(it would change the drafter's computation)")
+                raise DraftLoadError(
+                    f"drafter config: {key}={config[key]!r} is not supported "
+                    f"(it would change the drafter's computation)"
+                )
         merged = {**config, **{k: v for k, v in dflash.items() if v is not None}}
         missing = [k for k in ("target_layer_ids", "mask_token_id") if k not in merged]
         if missing:
@@ -137,9 +146,11 @@ class DraftArgs:
         }
         if self.is_causal is not None:
             config["is_causal"] = self.is_causal
-        extras = {"input_embedding_scale": (self.input_embedding_scale, 1.0),
-                  "output_multiplier": (self.output_multiplier, 1.0),
-                  "final_logit_softcapping": (self.final_logit_softcapping, None)}
+        extras = {
+            "input_embedding_scale": (self.input_embedding_scale, 1.0),
+            "output_multiplier": (self.output_multiplier, 1.0),
+            "final_logit_softcapping": (self.final_logit_softcapping, None),
+        }
         config["dflash_config"].update({k: v for k, (v, default) in extras.items() if v != default})
         if self.dflash2:
             config["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_KEYS})
@@ -149,11 +160,23 @@ class DraftArgs:
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")  # no ".weight" on disk
-DFLASH_CONFIG_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "final_logit_softcapping",
-                      "input_embedding_scale", "output_multiplier", *DFLASH2_KEYS}
+DFLASH_CONFIG_KEYS = {
+    "mask_token_id",
+    "target_layer_ids",
+    "block_size",
+    "final_logit_softcapping",
+    "input_embedding_scale",
+    "output_multiplier",
+    *DFLASH2_KEYS,
+}
 # config fields that would change what the drafter computes: the values we implement
-UNSUPPORTED_FIELDS = {"hidden_act": ("silu",), "mlp_bias": (False,), "attn_logit_softcapping": (None,),
-                      "partial_rotary_factor": (1.0, 1), "query_pre_attn_scalar": (None,)}
+UNSUPPORTED_FIELDS = {
+    "hidden_act": ("silu",),
+    "mlp_bias": (False,),
+    "attn_logit_softcapping": (None,),
+    "partial_rotary_factor": (1.0, 1),
+    "query_pre_attn_scalar": (None,),
+}
 
 
 def check_pair(args: DraftArgs, target) -> None:

@@ -78,8 +78,9 @@ class ContextKV:
         return self.offset  # the block starts right after the context
 
     def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
-        return block_attention(queries, keys, values, self.span(), scale=attn.scale,
-                               causal=attn.causal, window=attn.window)
+        return block_attention(
+            queries, keys, values, self.span(), scale=attn.scale, causal=attn.causal, window=attn.window
+        )
 
 
 class ContextRows:
@@ -92,8 +93,9 @@ class ContextRows:
         self.position = mx.array([[c.offset + i for i in range(width)] for c in rows])  # (rows, width)
 
     def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
-        return mx.concatenate([c.attend(attn, queries[i : i + 1], keys[i : i + 1], values[i : i + 1])
-                               for i, c in enumerate(self.rows)])
+        return mx.concatenate(
+            [c.attend(attn, queries[i : i + 1], keys[i : i + 1], values[i : i + 1]) for i, c in enumerate(self.rows)]
+        )
 
 
 class DraftAttention(nn.Module):
@@ -164,4 +166,3 @@ class DraftLayer(nn.Module):
     def __call__(self, x: mx.array, context) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), context)
         return h + self.mlp(self.post_attention_layernorm(h))
-

@@ -23,8 +23,9 @@ from .config import DraftArgs
 from .dflash import DraftLayer
 
 
-def grouped_causal_conv(x: mx.array, dynamic: mx.array, base: mx.array, group_size: int,
-                        block_index: Optional[mx.array] = None) -> mx.array:
+def grouped_causal_conv(
+    x: mx.array, dynamic: mx.array, base: mx.array, group_size: int, block_index: Optional[mx.array] = None
+) -> mx.array:
     """out[t] = sum_k (base[k] + dynamic[t, k]) * x[t - k] per channel group (zero before the block).
 
     x (B, L, H); dynamic (B, L, K, H / group_size); base (K, H).  `block_index` (B, L):
@@ -111,8 +112,15 @@ class CandidateSelector(nn.Module):
         unary = mx.take_along_axis(logits, picks, axis=-1)
         return (picks if vocab_ids is None else vocab_ids[picks]), unary
 
-    def walk(self, hidden: mx.array, logits: mx.array, anchor: mx.array, vocab_ids: Optional[mx.array],
-             temp: float, noise: Optional[mx.array]) -> mx.array:
+    def walk(
+        self,
+        hidden: mx.array,
+        logits: mx.array,
+        anchor: mx.array,
+        vocab_ids: Optional[mx.array],
+        temp: float,
+        noise: Optional[mx.array],
+    ) -> mx.array:
         """The drafted tokens (P,) for P block positions, starting after `anchor`.
 
         hidden (P, H) and logits (P, V') of those positions, V' over `vocab_ids` when the
@@ -145,4 +153,3 @@ class DFlash2Layer(DraftLayer):
         h = x + self.attention_conv.finish(self.self_attn(y, context), kernel, index)
         y, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h), index)
         return h + self.mlp_conv.finish(self.mlp(y), kernel, index)
-

@@ -38,8 +38,9 @@ def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None, dequantize: b
         raise DraftLoadError(f"{config_file} is not valid JSON ({e}); re-download the drafter") from None
     architecture = (config.get("architectures") or ["DFlashDraftModel"])[0]
     if architecture not in ARCHITECTURES:
-        raise DraftLoadError(f"{path}: drafter architecture {architecture!r} is not supported "
-                             f"({' or '.join(ARCHITECTURES)})")
+        raise DraftLoadError(
+            f"{path}: drafter architecture {architecture!r} is not supported ({' or '.join(ARCHITECTURES)})"
+        )
     args = DraftArgs.from_config(config)
     model = DFlashDraftModel(args)
 
@@ -73,8 +74,9 @@ def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None, dequantize: b
         try:
             model.restrict_vocab(json.loads((path / VOCAB_FILE).read_text())["token_ids"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise DraftLoadError(f"{path / VOCAB_FILE} is not a drafting vocabulary ({e}); delete it or "
-                                 "re-export the drafter") from None
+            raise DraftLoadError(
+                f"{path / VOCAB_FILE} is not a drafting vocabulary ({e}); delete it or re-export the drafter"
+            ) from None
     mx.eval(model.parameters())
     model.eval()
     return model
@@ -95,8 +97,7 @@ def _load_weights_checked(model: nn.Module, weights: dict[str, Any], path: Path)
     for name, value in weights.items():
         if value.shape != expected[name].shape:
             raise DraftLoadError(
-                f"{path}: weight {name} has shape {tuple(value.shape)}, config implies "
-                f"{tuple(expected[name].shape)}"
+                f"{path}: weight {name} has shape {tuple(value.shape)}, config implies {tuple(expected[name].shape)}"
             )
     model.load_weights(list(weights.items()))
 
@@ -114,8 +115,10 @@ def save_draft(model: DFlashDraftModel, path: str | Path, quantization: Optional
         model.quantization = quantization
         config["quantization"] = config["quantization_config"] = quantization
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weights = {name.removesuffix(".weight") if name.removesuffix(".weight") in CODEBOOKS else name: value
-               for name, value in tree_flatten(model.parameters())}
+    weights = {
+        name.removesuffix(".weight") if name.removesuffix(".weight") in CODEBOOKS else name: value
+        for name, value in tree_flatten(model.parameters())
+    }
     # "pt" is what transformers / SGLang / vLLM expect in the safetensors header
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     if model.vocab_ids is not None:

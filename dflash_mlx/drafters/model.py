@@ -33,8 +33,9 @@ class DFlashDraftModel(nn.Module):
         self.layers = [layer_class(args, t) for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         if args.dflash2:
-            self.candidate_selector = CandidateSelector(args.hidden_size, args.vocab_size, args.selector_rank,
-                                                        args.selector_top_k)
+            self.candidate_selector = CandidateSelector(
+                args.hidden_size, args.vocab_size, args.selector_rank, args.selector_top_k
+            )
         self._target = None  # a plain object, so its weights are not our parameters
         self.quantization: Optional[dict] = None  # mlx-style entry when the linears are quantized
         self._vocab = DraftVocabulary(None)  # a plain object too: not a parameter
@@ -103,15 +104,21 @@ class DFlashDraftModel(nn.Module):
         over its drafting vocabulary (vocab_ids, when restricted)."""
         return self.logits(self.run_layers(block, cache)[:, 1:])
 
-    def propose(self, block: mx.array, cache: list[ContextKV], params: SamplingParams,
-                noise: Optional[mx.array]) -> mx.array:
+    def propose(
+        self, block: mx.array, cache: list[ContextKV], params: SamplingParams, noise: Optional[mx.array]
+    ) -> mx.array:
         """The drafted tokens (L-1,) for block = [last token, mask...] (batch 1); `noise`
         (L-1, full vocab) is the Gumbel noise of their output positions when sampling.
         DFlash 1 samples each position from its logits, DFlash 2 walks its selector."""
         return self.propose_rows(block, [cache], [params], [noise])[0]
 
-    def propose_rows(self, blocks: mx.array, caches: list[list[ContextKV]], params: list[SamplingParams],
-                     noises: list[Optional[mx.array]]) -> list[mx.array]:
+    def propose_rows(
+        self,
+        blocks: mx.array,
+        caches: list[list[ContextKV]],
+        params: list[SamplingParams],
+        noises: list[Optional[mx.array]],
+    ) -> list[mx.array]:
         """propose() for several rows' blocks (R, L) in one pass, each row with its own
         context, sampling parameters and noise: what each would draft alone."""
         if len(caches) == 1:
@@ -122,11 +129,15 @@ class DFlashDraftModel(nn.Module):
         if self.args.dflash2:
             hidden = self.run_layers(blocks, contexts)[:, 1:]
             logits = self.logits(hidden)
-            return [self.candidate_selector.walk(hidden[i], logits[i], blocks[i, 0], ids, row_params.temp, noise)
-                    for i, (row_params, noise) in enumerate(zip(params, noises))]
+            return [
+                self.candidate_selector.walk(hidden[i], logits[i], blocks[i, 0], ids, row_params.temp, noise)
+                for i, (row_params, noise) in enumerate(zip(params, noises))
+            ]
         logits = self(blocks, contexts)
-        choices = [choose(logits[i], row_params, noise if noise is None or ids is None else noise[:, ids])
-                   for i, (row_params, noise) in enumerate(zip(params, noises))]
+        choices = [
+            choose(logits[i], row_params, noise if noise is None or ids is None else noise[:, ids])
+            for i, (row_params, noise) in enumerate(zip(params, noises))
+        ]
         return choices if ids is None else [ids[choice] for choice in choices]
 
     def logits(self, hidden: mx.array) -> mx.array:

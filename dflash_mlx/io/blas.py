@@ -32,9 +32,13 @@ def load_openblas() -> str:
     elif "mlx.core" in sys.modules:
         _status = "not loaded: mlx was imported before dflash_mlx"
         if _find() is not None:
-            warnings.warn("mlx was imported before dflash_mlx, so MLX keeps its bundled single-threaded "
-                          "reference BLAS (fp32 matmuls ~10x slower on this CPU); import dflash_mlx before "
-                          "mlx or mlx_lm", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "mlx was imported before dflash_mlx, so MLX keeps its bundled single-threaded "
+                "reference BLAS (fp32 matmuls ~10x slower on this CPU); import dflash_mlx before "
+                "mlx or mlx_lm",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     else:
         _status = "not found (apt install libopenblas0-pthread for ~10x faster fp32)"
         path = _find()
@@ -64,5 +68,7 @@ def slow_notice() -> str | None:
     (None when OpenBLAS is in use, not applicable, or turned off on purpose)."""
     if not _status.startswith("not found"):
         return None
-    return ("note: MLX is using its bundled single-threaded reference BLAS, ~10x slower for float32 on "
-            "this CPU; install OpenBLAS (Debian/Ubuntu: sudo apt install libopenblas0-pthread) and rerun")
+    return (
+        "note: MLX is using its bundled single-threaded reference BLAS, ~10x slower for float32 on "
+        "this CPU; install OpenBLAS (Debian/Ubuntu: sudo apt install libopenblas0-pthread) and rerun"
+    )

@@ -101,8 +101,10 @@ def sweep_stale(parent: Path, name: str) -> None:
 @contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
     """Turn SIGTERM into SystemExit while the block runs, so `finally` clauses clean up."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         yield
         return
 

@@ -18,15 +18,47 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from .protocol import (RequestError, check_tools, decoding_stats, number, prompt_tokens, sampling, text_of,
-                       unknown_fields)
+from .protocol import (
+    RequestError,
+    check_tools,
+    decoding_stats,
+    number,
+    prompt_tokens,
+    sampling,
+    text_of,
+    unknown_fields,
+)
 from .tools import with_tool_calls
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
-               429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
-FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-          "tools", "tool_choice", "metadata", "service_tier", "thinking", "seed", "block_size"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+FIELDS = {
+    "model",
+    "messages",
+    "system",
+    "max_tokens",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+    "tools",
+    "tool_choice",
+    "metadata",
+    "service_tier",
+    "thinking",
+    "seed",
+    "block_size",
+}
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")
 
 
@@ -60,13 +92,26 @@ def conversation(body: dict) -> tuple[list[dict], list[dict]]:
             if kind == "text":
                 text.append(block)
             elif kind == "tool_use" and role == "assistant":
-                calls.append({"id": block.get("id"), "type": "function", "function": {
-                    "name": block.get("name"), "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+                calls.append(
+                    {
+                        "id": block.get("id"),
+                        "type": "function",
+                        "function": {
+                            "name": block.get("name"),
+                            "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False),
+                        },
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 content = block.get("content")
                 result = text_of(_blocks(content, where) if content is not None else None, where)
-                results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                "content": ("Error: " + result) if block.get("is_error") else result})
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.get("tool_use_id"),
+                        "content": ("Error: " + result) if block.get("is_error") else result,
+                    }
+                )
             elif kind in DROPPED_BLOCKS and role == "assistant":
                 continue
             elif kind in ("tool_use", "tool_result", *DROPPED_BLOCKS):
@@ -83,10 +128,19 @@ def conversation(body: dict) -> tuple[list[dict], list[dict]]:
     for k, tool in enumerate(body.get("tools") or []):
         if not isinstance(tool, dict) or tool.get("type") not in (None, "custom") or "name" not in tool:
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(f"tools[{k}]: only custom tools (name, description, input_schema) are supported "
-                               f"here, got {kind!r}")
-        tools.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description", ""),
-                                                       "parameters": tool.get("input_schema") or {}}})
+            raise RequestError(
+                f"tools[{k}]: only custom tools (name, description, input_schema) are supported here, got {kind!r}"
+            )
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool["name"],
+                    "description": tool.get("description", ""),
+                    "parameters": tool.get("input_schema") or {},
+                },
+            }
+        )
     choice = (body.get("tool_choice") or {}).get("type", "auto")
     if choice == "none":
         tools = []
@@ -155,9 +209,12 @@ class _Message:
 
     def _usage(self) -> dict:
         last = self.last
-        usage = {"input_tokens": last.prompt_tokens if last else self.prompt_tokens,
-                 "output_tokens": last.generation_tokens if last else 0,
-                 "cache_read_input_tokens": last.cached_tokens if last else 0, "cache_creation_input_tokens": 0}
+        usage = {
+            "input_tokens": last.prompt_tokens if last else self.prompt_tokens,
+            "output_tokens": last.generation_tokens if last else 0,
+            "cache_read_input_tokens": last.cached_tokens if last else 0,
+            "cache_creation_input_tokens": 0,
+        }
         if last is not None:
             usage["dflash"] = decoding_stats(last)
             if self.ignored:
@@ -175,22 +232,36 @@ class _Message:
         return "end_turn", None
 
     def _tool_blocks(self) -> list[dict]:
-        return [{"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
-                 "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
-                for call in self.calls]
+        return [
+            {
+                "type": "tool_use",
+                "id": "toolu_" + call["id"].removeprefix("call_"),
+                "name": call["function"]["name"],
+                "input": json.loads(call["function"]["arguments"]),
+            }
+            for call in self.calls
+        ]
 
     def snapshot(self) -> dict:
         stop_reason, stop_sequence = self._stop()
         content = ([{"type": "text", "text": self.text}] if self.text or not self.calls else []) + self._tool_blocks()
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.server.model_id,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": self._usage()}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.server.model_id,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": self._usage(),
+        }
 
     async def run(self, job, first):
         """Consume the engine's events; yields the text shown at each."""
         self.prompt_tokens = first.prompt_tokens
-        async for self.last, shown, self.calls in with_tool_calls(self.server.events(job, first),
-                                                                  self.server.tokenizer, self.tools):
+        async for self.last, shown, self.calls in with_tool_calls(
+            self.server.events(job, first), self.server.tokenizer, self.tools
+        ):
             self.text += shown
             yield shown
 
@@ -200,10 +271,21 @@ class _Message:
 
     async def stream(self, job, first):
         try:
-            start = {"id": self.id, "type": "message", "role": "assistant", "model": self.server.model_id,
-                     "content": [], "stop_reason": None, "stop_sequence": None,
-                     "usage": {"input_tokens": first.prompt_tokens, "output_tokens": 0,
-                               "cache_read_input_tokens": first.cached_tokens, "cache_creation_input_tokens": 0}}
+            start = {
+                "id": self.id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.server.model_id,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": first.prompt_tokens,
+                    "output_tokens": 0,
+                    "cache_read_input_tokens": first.cached_tokens,
+                    "cache_creation_input_tokens": 0,
+                },
+            }
             yield self._event("message_start", message=start)
             yield self._event("ping")
             index, opened, last_ping = 0, False, time.monotonic()
@@ -224,13 +306,17 @@ class _Message:
                 index = 1
             for block in self._tool_blocks():
                 yield self._event("content_block_start", index=index, content_block={**block, "input": {}})
-                yield self._event("content_block_delta", index=index, delta={
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)})
+                yield self._event(
+                    "content_block_delta",
+                    index=index,
+                    delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)},
+                )
                 yield self._event("content_block_stop", index=index)
                 index += 1
             stop_reason, stop_sequence = self._stop()
-            yield self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                              usage=self._usage())
+            yield self._event(
+                "message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=self._usage()
+            )
             yield self._event("message_stop")
         except Exception as e:
             yield self._event("error", error={"type": "api_error", "message": f"generation failed: {e}"})

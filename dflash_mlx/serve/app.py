@@ -27,38 +27,56 @@ from .anthropic_api import AnthropicAPI
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
 from .protocol import RequestError, number
-from .worker import DONE, BatchWorker, Job, QueueFull, Worker
+from .worker import DONE, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
 MAX_BATCH_TOKENS = 32768  # 8 rows of 4k tokens; a longer request runs alone
 
 
 class Server:
-    def __init__(self, model, tokenizer, model_id: str, max_queue: int = 16, context: Optional[int] = None,
-                 prompt_cache_bytes: int = 1 << 30, max_batch: int = 8, max_batch_tokens: Optional[int] = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_id: str,
+        max_queue: int = 16,
+        context: Optional[int] = None,
+        prompt_cache_bytes: int = 1 << 30,
+        max_batch: int = 8,
+        max_batch_tokens: Optional[int] = None,
+    ):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
         self.batch_refusal = batch_refusal(model) if max_batch > 1 else None  # why one at a time, if so
         self.max_batch = 1 if self.batch_refusal else max_batch
         self.max_batch_tokens = max_batch_tokens or MAX_BATCH_TOKENS
-        if self.max_batch > 1:
-            self.worker = BatchWorker(model, tokenizer, max_queue, self.metrics.finished, self.max_batch,
-                                      self.prompt_cache, self.metrics.batch_step, self.max_batch_tokens)
-        else:
-            self.worker = Worker(model, tokenizer, max_queue, on_finish=self.metrics.finished)
+        self.worker = Worker(
+            model,
+            tokenizer,
+            max_queue,
+            self.metrics.finished,
+            self.max_batch,
+            self.prompt_cache,
+            self.metrics.batch_step,
+            self.max_batch_tokens,
+        )
         self.context = context
         self.openai, self.anthropic = OpenAIAPI(self), AnthropicAPI(self)
-        self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
-            Route("/v1/completions", self.openai.completions, methods=["POST"]),
-            Route("/v1/responses", self.openai.responses, methods=["POST"]),
-            Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.prometheus, methods=["GET"]),
-        ], exception_handlers={HTTPException: self._http_error}, lifespan=self._lifespan)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
+                Route("/v1/completions", self.openai.completions, methods=["POST"]),
+                Route("/v1/responses", self.openai.responses, methods=["POST"]),
+                Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error},
+            lifespan=self._lifespan,
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -67,8 +85,10 @@ class Server:
 
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         """Unknown routes and wrong methods, as JSON errors in the format of the API asked."""
-        message = {404: f"no route {request.url.path}; see GET /v1/models and docs/serving.md",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        message = {
+            404: f"no route {request.url.path}; see GET /v1/models and docs/serving.md",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, exc.detail)
         api = self.anthropic if request.url.path.startswith("/v1/messages") else self.openai
         return api.error(RequestError(message, exc.status_code))
 
@@ -76,15 +96,29 @@ class Server:
 
     async def models(self, request: Request) -> JSONResponse:
         draft = self.model.draft
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_id, "object": "model", "created": int(time.time()), "owned_by": "dflash-mlx",
-            "dflash": {"drafter": draft is not None, "block_size": draft.block_size if draft else 1,
-                       "adaptive_width": self.model.chooser is not None,
-                       "batching": self.max_batch > 1, "max_batch": self.max_batch,
-                       "max_batch_tokens": self.max_batch_tokens if self.max_batch > 1 else None,
-                       "prefix_cache": self.prompt_cache is not None,
-                       "pipeline_ranks": getattr(self.model.target, "size", 1)},
-        }]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_id,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "dflash-mlx",
+                        "dflash": {
+                            "drafter": draft is not None,
+                            "block_size": draft.block_size if draft else 1,
+                            "adaptive_width": self.model.planner is not None,
+                            "batching": self.max_batch > 1,
+                            "max_batch": self.max_batch,
+                            "max_batch_tokens": self.max_batch_tokens if self.max_batch > 1 else None,
+                            "prefix_cache": self.prompt_cache is not None,
+                            "pipeline_ranks": getattr(self.model.target, "size", 1),
+                        },
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: Request) -> JSONResponse:
         ok = self.worker.alive
@@ -126,7 +160,7 @@ class Server:
     async def start(self, prompt: list[int], max_tokens: int, options: dict) -> tuple[Job, Any]:
         """Queue a generation; its first response.  A request the engine refuses before any
         token (too long for the context, say) raises RequestError: a 4xx, not a broken stream."""
-        job = Job(prompt, max_tokens, {**options, "prompt_cache": self.prompt_cache})
+        job = Job(prompt, max_tokens, options)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -154,14 +188,29 @@ class Server:
         self.metrics.rejected(error.status)
 
 
-def make_app(model, tokenizer, model_id: str, max_queue: int = 16, prompt_cache_bytes: int = 1 << 30,
-             max_batch: int = 8, max_batch_tokens: Optional[int] = None) -> Server:
+def make_app(
+    model,
+    tokenizer,
+    model_id: str,
+    max_queue: int = 16,
+    prompt_cache_bytes: int = 1 << 30,
+    max_batch: int = 8,
+    max_batch_tokens: Optional[int] = None,
+) -> Server:
     """The server; with max_batch > 1, requests are decoded in batches when the target allows
     (else `Server.batch_refusal` says why not; the caller tells the user)."""
-    from ..api import _context_limit
+    from ..api import context_limit
 
-    return Server(model, tokenizer, model_id, max_queue, _context_limit(model.target), prompt_cache_bytes, max_batch,
-                  max_batch_tokens)
+    return Server(
+        model,
+        tokenizer,
+        model_id,
+        max_queue,
+        context_limit(model.target),
+        prompt_cache_bytes,
+        max_batch,
+        max_batch_tokens,
+    )
 
 
 def batch_refusal(model) -> Optional[str]:

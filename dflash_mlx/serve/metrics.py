@@ -50,14 +50,17 @@ class Metrics:
                 "# HELP dflash_requests_total Requests by outcome (HTTP status, or cancelled by the client).",
                 "# TYPE dflash_requests_total counter",
                 *(f'dflash_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())),
-                "# TYPE dflash_prompt_tokens_total counter", f"dflash_prompt_tokens_total {self.prompt_tokens}",
+                "# TYPE dflash_prompt_tokens_total counter",
+                f"dflash_prompt_tokens_total {self.prompt_tokens}",
                 "# TYPE dflash_generated_tokens_total counter",
                 f"dflash_generated_tokens_total {self.generated_tokens}",
                 "# HELP dflash_tau Mean tokens committed per target pass, over all requests.",
-                "# TYPE dflash_tau gauge", f"dflash_tau {committed_total / cycles if cycles else 0:.4f}",
+                "# TYPE dflash_tau gauge",
+                f"dflash_tau {committed_total / cycles if cycles else 0:.4f}",
                 "# HELP dflash_cycles_total Decode cycles, those the drafter proposed and those the prompt "
                 "lookup proposed (the rest decoded plainly).",
-                "# TYPE dflash_cycles_total counter", f'dflash_cycles_total{{kind="all"}} {self.cycles}',
+                "# TYPE dflash_cycles_total counter",
+                f'dflash_cycles_total{{kind="all"}} {self.cycles}',
                 f'dflash_cycles_total{{kind="draft"}} {self.draft_cycles}',
                 f'dflash_cycles_total{{kind="lookup"}} {self.lookup_cycles}',
                 "# HELP dflash_committed_tokens Cycles by tokens committed (histogram, le = tokens).",
@@ -69,18 +72,23 @@ class Metrics:
                 lines.append(f'dflash_committed_tokens_bucket{{le="{k}"}} {running}')
             lines += [
                 f'dflash_committed_tokens_bucket{{le="+Inf"}} {running}',
-                f"dflash_committed_tokens_sum {committed_total}", f"dflash_committed_tokens_count {cycles}",
+                f"dflash_committed_tokens_sum {committed_total}",
+                f"dflash_committed_tokens_count {cycles}",
                 "# TYPE dflash_generation_tokens_per_second gauge",
                 f"dflash_generation_tokens_per_second {self.last_tps:.3f}",
-                "# TYPE dflash_queue_depth gauge", f"dflash_queue_depth {queue_depth}",
+                "# TYPE dflash_queue_depth gauge",
+                f"dflash_queue_depth {queue_depth}",
                 "# TYPE dflash_prefix_cache_hits_total counter",
                 f"dflash_prefix_cache_hits_total {self.prefix_cache_hits}",
                 "# HELP dflash_batch_size Requests decoded together in the last batch step.",
-                "# TYPE dflash_batch_size gauge", f"dflash_batch_size {self.batch_size}",
+                "# TYPE dflash_batch_size gauge",
+                f"dflash_batch_size {self.batch_size}",
                 "# HELP dflash_batch_steps_total Batch steps by batch size and mode (draft: a batched "
                 "verify of drafted tokens; plain: batched plain decoding).",
                 "# TYPE dflash_batch_steps_total counter",
-                *(f'dflash_batch_steps_total{{size="{size}",mode="{mode}"}} {n}'
-                  for (size, mode), n in sorted(self.batch_steps.items())),
+                *(
+                    f'dflash_batch_steps_total{{size="{size}",mode="{mode}"}} {n}'
+                    for (size, mode), n in sorted(self.batch_steps.items())
+                ),
             ]
         return "\n".join(lines) + "\n"

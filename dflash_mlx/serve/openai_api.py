@@ -19,21 +19,64 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..grammar import Grammar
-from .protocol import (RequestError, arguments_json, check_tools, decoding_stats, number, prompt_tokens,
-                       refuse_nonzero, sampling, text_of, unknown_fields)
+from .protocol import (
+    RequestError,
+    arguments_json,
+    check_tools,
+    decoding_stats,
+    number,
+    prompt_tokens,
+    refuse_nonzero,
+    sampling,
+    text_of,
+    unknown_fields,
+)
 from .tools import with_tool_calls
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "block_size"}
 NO_EFFECT = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream", "stream_options"}
 REFUSED = ("frequency_penalty", "presence_penalty", "logit_bias")
-CHAT_FIELDS = SAMPLING_FIELDS | NO_EFFECT | {"messages", "max_tokens", "max_completion_tokens", "stop", "tools",
-                                             "tool_choice", "n", "logprobs", "top_logprobs", "response_format",
-                                             "modalities", *REFUSED}
-COMPLETION_FIELDS = SAMPLING_FIELDS | NO_EFFECT | {"prompt", "max_tokens", "stop", "n", "logprobs", "echo", "suffix",
-                                                   "best_of", *REFUSED}
-RESPONSES_FIELDS = SAMPLING_FIELDS | NO_EFFECT | {"input", "instructions", "max_output_tokens", "tools", "tool_choice",
-                                                  "text", "top_logprobs", "include", "previous_response_id",
-                                                  "truncation", "background", "reasoning"}
+CHAT_FIELDS = (
+    SAMPLING_FIELDS
+    | NO_EFFECT
+    | {
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "tools",
+        "tool_choice",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "modalities",
+        *REFUSED,
+    }
+)
+COMPLETION_FIELDS = (
+    SAMPLING_FIELDS
+    | NO_EFFECT
+    | {"prompt", "max_tokens", "stop", "n", "logprobs", "echo", "suffix", "best_of", *REFUSED}
+)
+RESPONSES_FIELDS = (
+    SAMPLING_FIELDS
+    | NO_EFFECT
+    | {
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "tools",
+        "tool_choice",
+        "text",
+        "top_logprobs",
+        "include",
+        "previous_response_id",
+        "truncation",
+        "background",
+        "reasoning",
+    }
+)
 MAX_CHOICES = 8
 
 
@@ -44,8 +87,11 @@ def _tools_for(tools: list, tool_choice) -> list:
         return tools
     if tool_choice == "none":
         return []
-    raise RequestError("tool_choice can be \"auto\" or \"none\" here (forcing a call is not supported)",
-                       param="tool_choice", code="unsupported_parameter")
+    raise RequestError(
+        'tool_choice can be "auto" or "none" here (forcing a call is not supported)',
+        param="tool_choice",
+        code="unsupported_parameter",
+    )
 
 
 def _grammar(server, value, name: str, schema_of) -> Optional[Grammar]:
@@ -73,7 +119,8 @@ class OpenAIAPI:
     def error(self, e: RequestError) -> JSONResponse:
         self.server.refused(e)
         kind = {404: "not_found_error", 429: "rate_limit_error"}.get(
-            e.status, "invalid_request_error" if e.status < 500 else "server_error")
+            e.status, "invalid_request_error" if e.status < 500 else "server_error"
+        )
         return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}, e.status)
 
     def _usage(self, responses: list, ignored: list[str]) -> dict:
@@ -82,9 +129,13 @@ class OpenAIAPI:
         dflash = decoding_stats(last)
         if ignored:
             dflash["ignored_fields"] = ignored
-        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": last.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": last.cached_tokens}, "dflash": dflash}
+        return {
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": last.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+            "dflash": dflash,
+        }
 
     @staticmethod
     def _headers(ignored: list[str]) -> dict:
@@ -94,8 +145,12 @@ class OpenAIAPI:
 
     def _chat_request(self, body: dict):
         refuse_nonzero(body, *REFUSED)
-        grammar = _grammar(self.server, body.get("response_format"), "response_format",
-                           lambda value: (value.get("json_schema") or {}).get("schema"))
+        grammar = _grammar(
+            self.server,
+            body.get("response_format"),
+            "response_format",
+            lambda value: (value.get("json_schema") or {}).get("schema"),
+        )
         if body.get("modalities") not in (None, ["text"]):
             raise RequestError("modalities: the served model writes text only", param="modalities")
         messages = body.get("messages")
@@ -108,11 +163,21 @@ class OpenAIAPI:
             message = {"role": m["role"], "content": text_of(m.get("content"), f"messages[{i}].content")}
             if m.get("tool_calls"):
                 calls = m["tool_calls"]
-                if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                        for c in calls)):
+                if not (
+                    isinstance(calls, list)
+                    and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
+                ):
                     raise RequestError(f"messages[{i}].tool_calls must be a list of function calls", param="messages")
-                message["tool_calls"] = [{**call, "function": {**call["function"], "arguments": arguments_json(
-                    call["function"].get("arguments", {}))}} for call in calls]
+                message["tool_calls"] = [
+                    {
+                        **call,
+                        "function": {
+                            **call["function"],
+                            "arguments": arguments_json(call["function"].get("arguments", {})),
+                        },
+                    }
+                    for call in calls
+                ]
             if m.get("tool_call_id") is not None:
                 message["tool_call_id"] = m["tool_call_id"]
             normalised.append(message)
@@ -132,8 +197,9 @@ class OpenAIAPI:
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt.strip():
             tokens = self.server.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             tokens = prompt
         else:
             raise RequestError("prompt must be a non-empty string or a list of token ids", param="prompt")
@@ -175,21 +241,40 @@ class OpenAIAPI:
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         choices = _Choices(self, prompt, max_tokens, options, n, job, first)
         if stream:
-            return StreamingResponse(self._sse(choices, ident, chat, include_usage, tools, ignored),
-                                     media_type="text/event-stream", headers=self._headers(ignored))
+            return StreamingResponse(
+                self._sse(choices, ident, chat, include_usage, tools, ignored),
+                media_type="text/event-stream",
+                headers=self._headers(ignored),
+            )
         return await self._whole(choices, ident, chat, tools, ignored)
 
-    def _choice(self, chat: bool, index: int, text: Optional[str], finish: Optional[str], delta: bool,
-                tool_calls: Optional[list] = None, logprobs: Optional[list] = None) -> dict:
+    def _choice(
+        self,
+        chat: bool,
+        index: int,
+        text: Optional[str],
+        finish: Optional[str],
+        delta: bool,
+        tool_calls: Optional[list] = None,
+        logprobs: Optional[list] = None,
+    ) -> dict:
         if not chat:
-            return {"index": index, "text": text, "finish_reason": finish,
-                    "logprobs": None if logprobs is None else self._completion_logprobs(logprobs)}
+            return {
+                "index": index,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": None if logprobs is None else self._completion_logprobs(logprobs),
+            }
         message = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)] if delta else tool_calls
             finish = finish and "tool_calls"
-        return {"index": index, "delta" if delta else "message": message, "finish_reason": finish,
-                "logprobs": None if logprobs is None else {"content": self._chat_logprobs(logprobs)}}
+        return {
+            "index": index,
+            "delta" if delta else "message": message,
+            "finish_reason": finish,
+            "logprobs": None if logprobs is None else {"content": self._chat_logprobs(logprobs)},
+        }
 
     def _token_text(self, token: int) -> str:
         return self.server.tokenizer.decode([token])
@@ -198,53 +283,86 @@ class OpenAIAPI:
         def entry(token, logprob):
             text = self._token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
         return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
 
     def _completion_logprobs(self, logprobs: list) -> dict:
-        return {"tokens": [self._token_text(lp.token) for lp in logprobs],
-                "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs]}
+        return {
+            "tokens": [self._token_text(lp.token) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
+        }
 
     async def _whole(self, choices: "_Choices", ident: str, chat: bool, tools, ignored: list[str]) -> JSONResponse:
         out, finals = [], []
         try:
             async for index, events in choices:
                 text, logprobs = "", [] if choices.options["logprobs"] is not None else None
-                async for last, shown, tool_calls in with_tool_calls(events, self.server.tokenizer,
-                                                                     tools if chat else None):
+                async for last, shown, tool_calls in with_tool_calls(
+                    events, self.server.tokenizer, tools if chat else None
+                ):
                     text += shown
                     if logprobs is not None:
                         logprobs += last.logprobs
-                out.append(self._choice(chat, index, text or (None if tool_calls else ""), last.finish_reason, False,
-                                        tool_calls, logprobs))
+                out.append(
+                    self._choice(
+                        chat,
+                        index,
+                        text or (None if tool_calls else ""),
+                        last.finish_reason,
+                        False,
+                        tool_calls,
+                        logprobs,
+                    )
+                )
                 finals.append(last)
         except RequestError as e:
             return self.error(e)
         except Exception as e:
             return self.error(RequestError(f"generation failed: {e}", 500))
-        return JSONResponse({
-            "id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.server.model_id, "choices": out, "usage": self._usage(finals, ignored),
-        }, headers=self._headers(ignored))
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.server.model_id,
+                "choices": out,
+                "usage": self._usage(finals, ignored),
+            },
+            headers=self._headers(ignored),
+        )
 
-    async def _sse(self, choices: "_Choices", ident: str, chat: bool, include_usage: bool, tools,
-                   ignored: list[str]):
+    async def _sse(self, choices: "_Choices", ident: str, chat: bool, include_usage: bool, tools, ignored: list[str]):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
         def chunk(choice_list: list, **extra) -> str:
-            return "data: " + json.dumps({"id": ident, "object": kind, "created": created,
-                                          "model": self.server.model_id, "choices": choice_list, **extra}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": ident,
+                        "object": kind,
+                        "created": created,
+                        "model": self.server.model_id,
+                        "choices": choice_list,
+                        **extra,
+                    }
+                )
+                + "\n\n"
+            )
 
         finals = []
         try:
             async for index, events in choices:
                 last = None
-                async for last, text, tool_calls in with_tool_calls(events, self.server.tokenizer,
-                                                                    tools if chat else None):
+                async for last, text, tool_calls in with_tool_calls(
+                    events, self.server.tokenizer, tools if chat else None
+                ):
                     if last.finish_reason:
-                        yield chunk([self._choice(chat, index, text, last.finish_reason, True, tool_calls,
-                                                  last.logprobs)])
+                        yield chunk(
+                            [self._choice(chat, index, text, last.finish_reason, True, tool_calls, last.logprobs)]
+                        )
                     elif text or last.logprobs:
                         yield chunk([self._choice(chat, index, text, None, True, None, last.logprobs)])
                 finals.append(last)
@@ -252,8 +370,11 @@ class OpenAIAPI:
                 yield chunk([], usage=self._usage(finals, ignored))
             yield "data: [DONE]\n\n"
         except Exception as e:
-            yield "data: " + json.dumps({"error": {"message": f"generation failed: {e}", "type": "server_error"}}) \
-                  + "\n\n"
+            yield (
+                "data: "
+                + json.dumps({"error": {"message": f"generation failed: {e}", "type": "server_error"}})
+                + "\n\n"
+            )
         finally:
             choices.close()
 
@@ -261,14 +382,18 @@ class OpenAIAPI:
 
     def _responses_request(self, body: dict):
         if body.get("previous_response_id") is not None:
-            raise RequestError("previous_response_id: this server keeps no responses; send the whole conversation "
-                               "in input", param="previous_response_id", code="unsupported_parameter")
+            raise RequestError(
+                "previous_response_id: this server keeps no responses; send the whole conversation in input",
+                param="previous_response_id",
+                code="unsupported_parameter",
+            )
         if body.get("background"):
             raise RequestError("background responses are not supported here", param="background")
         if body.get("reasoning"):
             raise RequestError("reasoning: the served model has no reasoning mode", param="reasoning")
-        grammar = _grammar(self.server, (body.get("text") or {}).get("format"), "text.format",
-                           lambda value: value.get("schema"))
+        grammar = _grammar(
+            self.server, (body.get("text") or {}).get("format"), "text.format", lambda value: value.get("schema")
+        )
         include = body.get("include") or []
         if any(item != "message.output_text.logprobs" for item in include):
             raise RequestError("include: only message.output_text.logprobs is available here", param="include")
@@ -285,27 +410,45 @@ class OpenAIAPI:
         for i, item in enumerate(items):
             kind = item.get("type", "message") if isinstance(item, dict) else None
             if kind == "message":
-                messages.append({"role": item.get("role"), "content": text_of(item.get("content"),
-                                                                              f"input[{i}].content")})
+                messages.append(
+                    {"role": item.get("role"), "content": text_of(item.get("content"), f"input[{i}].content")}
+                )
             elif kind == "function_call":
-                call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": arguments_json(item.get("arguments"))}}
+                call = {
+                    "id": item.get("call_id"),
+                    "type": "function",
+                    "function": {"name": item.get("name"), "arguments": arguments_json(item.get("arguments"))},
+                }
                 if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
                     messages[-1].setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             elif kind == "function_call_output":
                 output = item.get("output")
-                messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                                 "content": output if isinstance(output, str) else text_of(output, f"input[{i}]")})
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else text_of(output, f"input[{i}]"),
+                    }
+                )
             else:
-                raise RequestError(f"input[{i}] is a {kind!r} item; this server reads message, function_call and "
-                                   "function_call_output items", param="input")
+                raise RequestError(
+                    f"input[{i}] is a {kind!r} item; this server reads message, function_call and "
+                    "function_call_output items",
+                    param="input",
+                )
         raw_tools = body.get("tools") or []
         if not isinstance(raw_tools, list):
             raise RequestError("tools must be a list", param="tools")
-        tools = check_tools([{"type": t.get("type"), "function": {k: v for k, v in t.items() if k != "type"}}
-                             if isinstance(t, dict) else t for t in raw_tools])
+        tools = check_tools(
+            [
+                {"type": t.get("type"), "function": {k: v for k, v in t.items() if k != "type"}}
+                if isinstance(t, dict)
+                else t
+                for t in raw_tools
+            ]
+        )
         tools = _tools_for(tools, body.get("tool_choice"))
         logprobs = number(body, "top_logprobs", 0, numbers.Integral, 0, 20) if include else None
         return prompt_tokens(self.server.tokenizer, messages, tools), tools, logprobs, grammar
@@ -322,8 +465,9 @@ class OpenAIAPI:
             return self.error(e)
         response = _Response(self, body, tools, ignored)
         if stream:
-            return StreamingResponse(response.stream(job, first), media_type="text/event-stream",
-                                     headers=self._headers(ignored))
+            return StreamingResponse(
+                response.stream(job, first), media_type="text/event-stream", headers=self._headers(ignored)
+            )
         try:
             async for _ in response.run(job, first):
                 pass
@@ -377,53 +521,92 @@ class _Response:
             dflash = decoding_stats(last)
             if self.ignored:
                 dflash["ignored_fields"] = self.ignored
-            usage = {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": last.cached_tokens},
-                     "output_tokens": last.generation_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": last.prompt_tokens + last.generation_tokens, "dflash": dflash}
+            usage = {
+                "input_tokens": last.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": last.cached_tokens},
+                "output_tokens": last.generation_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": last.prompt_tokens + last.generation_tokens,
+                "dflash": dflash,
+            }
         return {
-            "id": self.id, "object": "response", "created_at": self.created,
-            "status": status or ("incomplete" if incomplete else "completed"), "model": self.api.server.model_id,
-            "output": output if status is None else [], "usage": usage, "error": None,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status or ("incomplete" if incomplete else "completed"),
+            "model": self.api.server.model_id,
+            "output": output if status is None else [],
+            "usage": usage,
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete and status is None else None,
-            "instructions": self.body.get("instructions"), "max_output_tokens": self.body.get("max_output_tokens"),
-            "temperature": self.body.get("temperature", 0.0), "top_p": self.body.get("top_p", 1.0),
-            "tools": self.body.get("tools") or [], "tool_choice": self.body.get("tool_choice", "auto"),
-            "parallel_tool_calls": True, "metadata": self.body.get("metadata") or {},
+            "instructions": self.body.get("instructions"),
+            "max_output_tokens": self.body.get("max_output_tokens"),
+            "temperature": self.body.get("temperature", 0.0),
+            "top_p": self.body.get("top_p", 1.0),
+            "tools": self.body.get("tools") or [],
+            "tool_choice": self.body.get("tool_choice", "auto"),
+            "parallel_tool_calls": True,
+            "metadata": self.body.get("metadata") or {},
             "text": self.body.get("text") or {"format": {"type": "text"}},
-            "truncation": "disabled", "store": False,
+            "truncation": "disabled",
+            "store": False,
         }
 
     def _message_item(self, status: str, text: Optional[str] = None) -> dict:
-        part = {"type": "output_text", "text": self.text if text is None else text, "annotations": [],
-                "logprobs": self._logprobs(self.logprobs) if text is None else []}
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [part] if status == "completed" else []}
+        part = {
+            "type": "output_text",
+            "text": self.text if text is None else text,
+            "annotations": [],
+            "logprobs": self._logprobs(self.logprobs) if text is None else [],
+        }
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [part] if status == "completed" else [],
+        }
 
     @staticmethod
     def _call_item(call: dict, status: str) -> dict:
-        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"] if status == "completed" else "", "status": status}
+        return {
+            "type": "function_call",
+            "id": "fc_" + call["id"].removeprefix("call_"),
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"] if status == "completed" else "",
+            "status": status,
+        }
 
     def _logprobs(self, logprobs: list) -> list[dict]:
         text = self.api._token_text
-        return [{"token": text(lp.token), "logprob": lp.logprob, "bytes": list(text(lp.token).encode()),
-                 "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in lp.top]}
-                for lp in logprobs]
+        return [
+            {
+                "token": text(lp.token),
+                "logprob": lp.logprob,
+                "bytes": list(text(lp.token).encode()),
+                "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in lp.top],
+            }
+            for lp in logprobs
+        ]
 
     async def run(self, job, first):
         """Consume the engine's events; yields the text shown at each."""
         server = self.api.server
-        async for self.last, shown, self.calls in with_tool_calls(server.events(job, first), server.tokenizer,
-                                                                  self.tools):
+        async for self.last, shown, self.calls in with_tool_calls(
+            server.events(job, first), server.tokenizer, self.tools
+        ):
             self.logprobs += self.last.logprobs or []
             self.text += shown
             yield shown
 
     def _event(self, kind: str, **fields) -> str:
         self.sequence += 1
-        return f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": self.sequence - 1,
-                                                       **fields}) + "\n\n"
+        return (
+            f"event: {kind}\ndata: "
+            + json.dumps({"type": kind, "sequence_number": self.sequence - 1, **fields})
+            + "\n\n"
+        )
 
     async def stream(self, job, first):
         try:
@@ -434,17 +617,28 @@ class _Response:
             async for shown in self.run(job, first):
                 if shown and not opened:
                     opened = True
-                    yield self._event("response.output_item.added", output_index=0,
-                                      item=self._message_item("in_progress"))
-                    yield self._event("response.content_part.added", item_id=self.message_id, output_index=0,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                    yield self._event(
+                        "response.output_item.added", output_index=0, item=self._message_item("in_progress")
+                    )
+                    yield self._event(
+                        "response.content_part.added",
+                        item_id=self.message_id,
+                        output_index=0,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
                 if shown:
-                    yield self._event("response.output_text.delta", **where, delta=shown,
-                                      logprobs=self._logprobs(self.last.logprobs or []))
+                    yield self._event(
+                        "response.output_text.delta",
+                        **where,
+                        delta=shown,
+                        logprobs=self._logprobs(self.last.logprobs or []),
+                    )
             if opened or not self.calls:
                 if not opened:  # an empty answer is still a message
-                    yield self._event("response.output_item.added", output_index=0,
-                                      item=self._message_item("in_progress"))
+                    yield self._event(
+                        "response.output_item.added", output_index=0, item=self._message_item("in_progress")
+                    )
                 item = self._message_item("completed")
                 yield self._event("response.output_text.done", **where, text=self.text, logprobs=[])
                 yield self._event("response.content_part.done", **where, part=item["content"][0])
@@ -452,16 +646,27 @@ class _Response:
             first_call = 1 if (opened or not self.calls) else 0
             for index, call in enumerate(self.calls, start=first_call):
                 item = self._call_item(call, "completed")
-                yield self._event("response.output_item.added", output_index=index,
-                                  item=self._call_item(call, "in_progress"))
-                yield self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=item["arguments"])
-                yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  arguments=item["arguments"], name=item["name"])
+                yield self._event(
+                    "response.output_item.added", output_index=index, item=self._call_item(call, "in_progress")
+                )
+                yield self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["arguments"],
+                )
+                yield self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                    name=item["name"],
+                )
                 yield self._event("response.output_item.done", output_index=index, item=item)
             final = self.snapshot()
-            yield self._event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                              response=final)
+            yield self._event(
+                "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
+            )
         except Exception as e:
             yield self._event("error", code="server_error", message=f"generation failed: {e}", param=None)
         finally:

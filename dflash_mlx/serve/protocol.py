@@ -42,8 +42,9 @@ def sampling(body: dict, names: dict) -> dict:
     """stream_generate's sampling options from the request fields `names` maps them to
     (temp, top_p, top_k, seed, block_size, stop).  Greedy unless the request says otherwise."""
     stop = body.get(names["stop"])
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and
-                                                            all(isinstance(s, str) for s in stop))):
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
         raise RequestError(f"{names['stop']} must be a string or a list of strings", param=names["stop"])
     options = {
         "temp": number(body, "temperature", 0.0, low=0, high=100),
@@ -64,8 +65,11 @@ def refuse_nonzero(body: dict, *names: str) -> None:
     for name in names:
         value = body.get(name)
         if value not in (None, 0, 0.0, {}, [], False):
-            raise RequestError(f"{name} is not supported by this server (the target's distribution is "
-                               f"sampled as is); remove it", param=name, code="unsupported_parameter")
+            raise RequestError(
+                f"{name} is not supported by this server (the target's distribution is sampled as is); remove it",
+                param=name,
+                code="unsupported_parameter",
+            )
 
 
 def unknown_fields(body: dict, known: set) -> list[str]:
@@ -87,8 +91,11 @@ def text_of(content, where: str) -> str:
         elif kind is None:
             raise RequestError(f"{where}[{i}] must be an object with a type", param=where)
         else:
-            raise RequestError(f"{where}[{i}] is a {kind!r} part, but the served model reads text only; "
-                               "send text parts", param=where, code="unsupported_content")
+            raise RequestError(
+                f"{where}[{i}] is a {kind!r} part, but the served model reads text only; send text parts",
+                param=where,
+                code="unsupported_content",
+            )
     return "".join(texts)
 
 
@@ -100,10 +107,16 @@ def check_tools(tools, where: str = "tools") -> list[dict]:
         raise RequestError(f"{where} must be a list", param=where)
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
-                and isinstance(function.get("name"), str)):
-            raise RequestError(f"{where}[{i}] must be a function tool with a name (other tool types are not "
-                               "supported here)", param=where)
+        if not (
+            isinstance(tool, dict)
+            and tool.get("type") == "function"
+            and isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+        ):
+            raise RequestError(
+                f"{where}[{i}] must be a function tool with a name (other tool types are not supported here)",
+                param=where,
+            )
     return tools
 
 
@@ -114,8 +127,9 @@ def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict]) -> list[in
     rendered as text the same way."""
     for i, message in enumerate(messages):
         if message.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.get('role')!r}",
-                               param="messages")
+            raise RequestError(
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.get('role')!r}", param="messages"
+            )
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if not tokenizer.has_chat_template:
         text = "\n".join(m.get("content") or "" for m in messages)
@@ -124,8 +138,9 @@ def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict]) -> list[in
     if tools and not native_tools:
         messages = _with_tool_text(messages, tools)
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools if native_tools else None, tokenize=False, add_generation_prompt=True
+        )
     except Exception as e:  # the template's own checks (roles, order)
         raise RequestError(f"the chat template refused these messages ({e})", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -159,7 +174,12 @@ def arguments_json(arguments) -> str:
 
 def decoding_stats(last) -> dict:
     """How a response was decoded (the `dflash` object every API's usage carries)."""
-    return {"tau": round(last.tau, 3), "acceptance_histogram": last.acceptance_histogram,
-            "draft_cycles": last.sources.count("dflash"), "lookup_cycles": last.sources.count("lookup"),
-            "plain_cycles": last.sources.count("plain"), "block_size": last.block_size,
-            "generation_tps": round(last.generation_tps, 2)}
+    return {
+        "tau": round(last.tau, 3),
+        "acceptance_histogram": last.acceptance_histogram,
+        "draft_cycles": last.sources.count("dflash"),
+        "lookup_cycles": last.sources.count("lookup"),
+        "plain_cycles": last.sources.count("plain"),
+        "block_size": last.block_size,
+        "generation_tps": round(last.generation_tps, 2),
+    }

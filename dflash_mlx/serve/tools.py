@@ -16,9 +16,15 @@ from mlx_lm.tool_parsers import json_tools
 def fallback_tool_prompt(tools: list[dict]) -> str:
     """The system text that offers `tools` to a model whose chat template cannot."""
     listing = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
-    return ("You can call these functions (JSON schemas):\n" + listing + "\n\nTo call one, reply with "
-            + json_tools.tool_call_start + '{"name": <function name>, "arguments": <arguments object>}'
-            + json_tools.tool_call_end + "; the result comes back as <tool_response>...</tool_response>.")
+    return (
+        "You can call these functions (JSON schemas):\n"
+        + listing
+        + "\n\nTo call one, reply with "
+        + json_tools.tool_call_start
+        + '{"name": <function name>, "arguments": <arguments object>}'
+        + json_tools.tool_call_end
+        + "; the result comes back as <tool_response>...</tool_response>."
+    )
 
 
 def render_tool_call(call: dict) -> str:
@@ -88,9 +94,16 @@ class ToolCalls:
                 content.append(self.start + body + (self.end or ""))
                 continue
             for call in parsed if isinstance(parsed, list) else [parsed]:
-                calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                              "function": {"name": call["name"],
-                                           "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
+                calls.append(
+                    {
+                        "id": f"call_{uuid.uuid4().hex[:24]}",
+                        "type": "function",
+                        "function": {
+                            "name": call["name"],
+                            "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
+                        },
+                    }
+                )
         return "".join(content), calls
 
 

@@ -1,10 +1,10 @@
-"""The engine thread: jobs from a bounded FIFO, decoded in batches or one at a time.
+"""The engine thread: jobs from a bounded FIFO, decoded together.
 
 The HTTP side puts a Job in a bounded queue (full: the caller answers 429) and
-reads the job's events.  BatchWorker decodes up to `max_batch` jobs together
-(api.BatchGenerator): a job joins between steps, and leaves when it finishes or
-its `cancelled` is set (a client gone), freeing its row for the next.  Worker runs
-`stream_generate` for one job at a time (the pipeline-parallel mode, --max-batch 1).
+reads the job's events.  The Worker decodes up to `max_batch` jobs together
+(api.BatchGenerator; one at a time where the target cannot batch, e.g. the
+pipeline-parallel mode): a job joins between steps, and leaves when it finishes or
+its `cancelled` is set (a client gone), freeing its row for the next.
 """
 
 import queue
@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from ..api import BatchGenerator, stream_generate
+from ..api import BatchGenerator
 
 DONE = object()
 
@@ -32,13 +32,25 @@ class QueueFull(Exception):
     pass
 
 
-class _Engine:
-    """The queue and thread every worker has; `_run` is what the thread does."""
+class Worker:
+    """Up to `max_batch` jobs decoded together on the engine thread; `on_step(size, width)`
+    after each step, `on_finish(last response, cancelled)` when a job ends."""
 
-    running = 0  # jobs being decoded
-
-    def __init__(self, model, tokenizer, max_queue: int = 16, on_finish=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_queue: int = 16,
+        on_finish=None,
+        max_batch: int = 8,
+        prompt_cache=None,
+        on_step=None,
+        max_batch_tokens: Optional[int] = None,
+    ):
         self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.on_step = max_batch, on_step
+        self.active: dict[int, tuple[Job, Any]] = {}  # uid -> (job, its last response)
+        self.batch = BatchGenerator(model, tokenizer, max_batch, prompt_cache, max_batch_tokens)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
         self._stopping = False
         self.on_finish = on_finish  # called with the last GenerationResponse of each finished job
@@ -83,51 +95,6 @@ class _Engine:
             # active exception", MLX 0.32)
             mx.clear_streams()
 
-    def _run(self) -> None:
-        raise NotImplementedError
-
-
-class Worker(_Engine):
-    """One job at a time."""
-
-    def _run(self) -> None:
-        while not self._stopping and (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set() or self._stopping:
-                continue
-            self.running = 1
-            try:
-                self._serve(job)
-            finally:
-                self.running = 0
-
-    def _serve(self, job: Job) -> None:
-        last: Any = None
-        cancelled = False
-        try:
-            steps = stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, **job.options)
-            for last in steps:
-                job.events.put(last)
-                if job.cancelled.is_set() or self._stopping:
-                    cancelled = last.finish_reason is None
-                    steps.close()
-                    break
-        except Exception as e:  # handed to the HTTP side, which answers 4xx/5xx
-            job.events.put(e)
-            job.events.put(DONE)
-            return
-        self._finished(job, last, cancelled)
-
-
-class BatchWorker(_Engine):
-    """Up to `max_batch` jobs decoded together; `on_step(size, width)` after each batch step."""
-
-    def __init__(self, model, tokenizer, max_queue: int = 16, on_finish=None, max_batch: int = 8,
-                 prompt_cache=None, on_step=None, max_batch_tokens: Optional[int] = None):
-        self.max_batch, self.prompt_cache, self.on_step = max_batch, prompt_cache, on_step
-        self.active: dict[int, tuple[Job, Any]] = {}  # uid -> (job, its last response)
-        self.batch = BatchGenerator(model, tokenizer, max_batch, prompt_cache, max_batch_tokens)
-        super().__init__(model, tokenizer, max_queue, on_finish)
-
     @property
     def running(self) -> int:
         return len(self.active)
@@ -165,9 +132,8 @@ class BatchWorker(_Engine):
                 return False
             if job.cancelled.is_set():
                 continue
-            options = {k: v for k, v in job.options.items() if k != "prompt_cache"}  # the batch has its own
             try:
-                uid = self.batch.insert(job.prompt, job.max_tokens, **options)
+                uid = self.batch.insert(job.prompt, job.max_tokens, **job.options)
             except Exception as e:
                 job.events.put(e)
                 job.events.put(DONE)

@@ -20,12 +20,10 @@ class TrainState:
     history: list = field(default_factory=list)  # one dict per logged step
 
 
-
 def checkpoint_config(out_dir) -> Optional[dict]:
     """The training config a run in `out_dir` would resume with (None: no checkpoint)."""
     state = Path(out_dir) / "checkpoint" / "state.json"
     return json.loads(state.read_text())["config"] if state.is_file() else None
-
 
 
 def save_checkpoint(path: Path, draft, optimizer, cfg: TrainConfig, state: TrainState) -> None:
@@ -43,5 +41,3 @@ def export(draft: DFlashDraftModel, out_dir: Path, dtype: mx.Dtype = mx.bfloat16
     if draft.vocab_ids is not None:
         release.restrict_vocab(draft.vocab_ids.tolist())
     return save_draft(release, out_dir)
-
-

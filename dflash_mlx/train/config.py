@@ -5,9 +5,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-
-
-
 def stratified_layer_ids(num_layers: int, n: int) -> list[int]:
     """n target layers evenly spaced from shallow (1) to deep (L-3), as z-lab picks them."""
     if n == 1:
@@ -64,8 +61,14 @@ class TrainConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0 or (value == 0 and name in ("lr", "gamma", "grad_clip")):
                 raise ValueError(f"{name} must be a finite number > 0 (>= 0 for decay and ratios), got {value}")
-        for name in ("epochs", "sequences_per_step", "head_size", "checkpoint_every", "eval_prompts",
-                     "eval_max_tokens"):
+        for name in (
+            "epochs",
+            "sequences_per_step",
+            "head_size",
+            "checkpoint_every",
+            "eval_prompts",
+            "eval_max_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if self.steps is not None and self.steps < 1:
@@ -82,9 +85,7 @@ class TrainConfig:
 
     def check_block_widths(self) -> None:
         """Training widths within 2..block size (checked again once a warm start sets the size)."""
-        if self.block_widths is not None and (not self.block_widths
-                                              or not all(2 <= w <= self.block_size for w in self.block_widths)):
-            raise ValueError(f"block widths must be in 2..{self.block_size} (the block size), "
-                             f"got {self.block_widths}")
-
-
+        if self.block_widths is not None and (
+            not self.block_widths or not all(2 <= w <= self.block_size for w in self.block_widths)
+        ):
+            raise ValueError(f"block widths must be in 2..{self.block_size} (the block size), got {self.block_widths}")

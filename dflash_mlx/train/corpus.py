@@ -49,8 +49,9 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
-def text_windows(tokenizer, length: int = 256, max_windows: int | None = None, seed: int = 0,
-                 exclude: set | None = None) -> list[Window]:
+def text_windows(
+    tokenizer, length: int = 256, max_windows: int | None = None, seed: int = 0, exclude: set | None = None
+) -> list[Window]:
     """Shuffled `length`-token windows of the standard library's sources.
 
     Files are tokenized whole and cut into consecutive windows (a short tail is

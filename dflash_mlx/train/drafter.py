@@ -12,18 +12,25 @@ from ..target import Target
 from .config import TrainConfig, stratified_layer_ids
 
 
-
 def choose_mask_token(tokenizer) -> int:
     """The tokenizer's mask token, else its last special token the chat never uses."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     if getattr(hf, "mask_token_id", None) is not None:
         return hf.mask_token_id
     used = set(tokenizer.eos_token_ids) | {getattr(hf, "bos_token_id", None), getattr(hf, "pad_token_id", None)}
-    chat = hf.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-                                  tokenize=False) if getattr(hf, "chat_template", None) else ""
+    chat = (
+        hf.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=False
+        )
+        if getattr(hf, "chat_template", None)
+        else ""
+    )
     specials = [i for t, i in zip(hf.all_special_tokens, hf.all_special_ids) if i not in used and t not in chat]
-    added = [i for i, t in getattr(hf, "added_tokens_decoder", {}).items()
-             if getattr(t, "special", False) and i not in used and str(t) not in chat]
+    added = [
+        i
+        for i, t in getattr(hf, "added_tokens_decoder", {}).items()
+        if getattr(t, "special", False) and i not in used and str(t) not in chat
+    ]
     candidates = sorted(set(specials) | set(added))
     if not candidates:
         raise ValueError("the tokenizer has no spare special token for MASK; pass --mask-token-id")
@@ -62,10 +69,13 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
         draft = to_dflash2(draft, cfg)
     if cfg.init_from_target:
         # deepest target layers: they already map hidden states towards the output space
-        for layer, source in zip(draft.layers, target.layers[-cfg.num_layers:]):
-            weights = {k: v for k, v in tree_flatten(source.parameters())
-                       if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-                       or k.endswith("layernorm.weight")}
+        for layer, source in zip(draft.layers, target.layers[-cfg.num_layers :]):
+            weights = {
+                k: v
+                for k, v in tree_flatten(source.parameters())
+                if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+                or k.endswith("layernorm.weight")
+            }
             layer.load_weights(list(weights.items()), strict=False)
     mx.eval(draft.parameters())
     return draft.bind(target)
@@ -74,9 +84,16 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
 def to_dflash2(draft: DFlashDraftModel, cfg: TrainConfig) -> DFlashDraftModel:
     """The same drafter as a DFlash 2 one whose convolutions pass through and whose
     selector picks the best logit: it drafts exactly what it did, and trains on."""
-    args = DraftArgs(**{**asdict(draft.args), "architecture": "DFlash2DraftModel",
-                        "conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
-                        "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k})
+    args = DraftArgs(
+        **{
+            **asdict(draft.args),
+            "architecture": "DFlash2DraftModel",
+            "conv_kernel_size": cfg.conv_kernel_size,
+            "conv_group_size": cfg.conv_group_size,
+            "selector_rank": cfg.selector_rank,
+            "selector_top_k": cfg.selector_top_k,
+        }
+    )
     grown = DFlashDraftModel(args)
     grown.update({k: v for k, v in draft.parameters().items() if k != "layers"})
     for new, old in zip(grown.layers, draft.layers):
@@ -95,8 +112,13 @@ def grow(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
     at zero (o_proj, down_proj), so it computes exactly what it did before."""
     if num_layers <= len(draft.layers):
         return draft
-    args = DraftArgs(**{**asdict(draft.args), "num_hidden_layers": num_layers,
-                        "layer_types": list(draft.args.layer_types) + ["full_attention"] * (num_layers - len(draft.layers))})
+    args = DraftArgs(
+        **{
+            **asdict(draft.args),
+            "num_hidden_layers": num_layers,
+            "layer_types": list(draft.args.layer_types) + ["full_attention"] * (num_layers - len(draft.layers)),
+        }
+    )
     bigger = DFlashDraftModel(args)
     bigger.update({k: v for k, v in draft.parameters().items() if k != "layers"})
     old = len(draft.layers)
@@ -110,6 +132,3 @@ def grow(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
     if draft.vocab_ids is not None:
         bigger.restrict_vocab(draft.vocab_ids.tolist())
     return bigger.bind(draft._target)
-
-
-

@@ -5,13 +5,12 @@ from typing import Optional
 import mlx.core as mx
 
 from ..drafters import DFlashDraftModel
-from ..engine import DecodeStats, DFlashModel, decode
+from ..engine import decode
+from ..model import DecodeStats, DFlashModel
 from ..sampling import SamplingParams
 from ..target import Target
 from .data import Example
 from .config import TrainConfig
-
-
 
 
 def split_held_out(examples: list[Example], n: int) -> tuple[list[Example], list[Example]]:
@@ -19,8 +18,9 @@ def split_held_out(examples: list[Example], n: int) -> tuple[list[Example], list
     return examples[-n:], examples[:-n]
 
 
-def committed_lengths(target: Target, draft: DFlashDraftModel, prompts: list[list[int]], max_tokens: int,
-                      block_size: Optional[int] = None) -> list[int]:
+def committed_lengths(
+    target: Target, draft: DFlashDraftModel, prompts: list[list[int]], max_tokens: int, block_size: Optional[int] = None
+) -> list[int]:
     """Tokens committed per cycle in the real greedy decode loop, over all prompts."""
     lengths = []
     for prompt in prompts:
@@ -31,8 +31,9 @@ def committed_lengths(target: Target, draft: DFlashDraftModel, prompts: list[lis
     return lengths
 
 
-def evaluate_tau(target: Target, draft: DFlashDraftModel, prompts: list[list[int]], max_tokens: int,
-                 block_size: Optional[int] = None) -> float:
+def evaluate_tau(
+    target: Target, draft: DFlashDraftModel, prompts: list[list[int]], max_tokens: int, block_size: Optional[int] = None
+) -> float:
     """Mean tokens committed per cycle (tau) in the real greedy decode loop."""
     lengths = committed_lengths(target, draft, prompts, max_tokens, block_size)
     return sum(lengths) / max(len(lengths), 1)
@@ -53,6 +54,3 @@ def held_out_tau(target, draft, held_out: list[Example], cfg: TrainConfig) -> fl
     tau = evaluate_tau(target, draft, [e.prompt_ids for e in held_out], cfg.eval_max_tokens)
     draft.train()
     return tau
-
-
-

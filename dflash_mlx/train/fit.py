@@ -40,6 +40,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from ..bench.plots import MissingMatplotlib, training_curve
 from ..drafters import DFlashDraftModel, load_draft
 from ..io.progress import add_task, progress
 from ..target import Target
@@ -74,7 +75,6 @@ def _pick(items: list, step: int, per_step: int, seed: int) -> list[int]:
     return out
 
 
-
 def fit(
     target: Target,
     tokenizer,
@@ -98,8 +98,9 @@ def fit(
         saved = json.loads((checkpoint / "state.json").read_text())
         # the architecture and recipe are the checkpoint's; only the length can change
         known = {f.name for f in fields(TrainConfig)}  # a checkpoint of an older version may hold more
-        cfg = TrainConfig(**{**{k: v for k, v in saved["config"].items() if k in known},
-                             "epochs": cfg.epochs, "steps": cfg.steps})
+        cfg = TrainConfig(
+            **{**{k: v for k, v in saved["config"].items() if k in known}, "epochs": cfg.epochs, "steps": cfg.steps}
+        )
         draft = load_draft(checkpoint / "drafter", dtype=mx.float32).bind(target)
         state = TrainState(**saved["state"])
         log(f"resuming at step {state.step} (epoch {state.epoch})")
@@ -132,9 +133,11 @@ def fit(
     head = RestrictedHead(output_embeddings(target), counts, cfg.head_size)
     draft.restrict_vocab(head.token_ids)  # it drafts from the ids it was trained to predict
     total_steps = cfg.steps or cfg.epochs * math.ceil(len(train_set) / max(chat_per_step, 1))
-    log(f"{len(train_set)} training sequences ({sum(len(e.response_ids) for e in train_set)} response tokens), "
+    log(
+        f"{len(train_set)} training sequences ({sum(len(e.response_ids) for e in train_set)} response tokens), "
         f"{len(text)} text windows; {chat_per_step} + {text_per_step} per step, {total_steps} steps; "
-        f"restricted head {len(head.token_ids)} tokens, target layers {layer_ids}")
+        f"restricted head {len(head.token_ids)} tokens, target layers {layer_ids}"
+    )
 
     optimizer = optim.AdamW(learning_rate=_schedule(cfg, total_steps), weight_decay=cfg.weight_decay)
     optimizer.init(draft.trainable_parameters())
@@ -154,8 +157,10 @@ def fit(
         seqs += [text[i] for i in _pick(text, step, text_per_step, cfg.seed + 1)]
         features, greedy, teacher = target_pass(target, seqs, layer_ids, teacher_ids)
         rng = random.Random(cfg.seed * 1000003 + step)
-        blocks = [sample_blocks(s, label_counts(s.tokens, g, cfg.block_size), cfg.block_positions, rng,
-                                cfg.block_widths) for s, g in zip(seqs, greedy)]
+        blocks = [
+            sample_blocks(s, label_counts(s.tokens, g, cfg.block_size), cfg.block_positions, rng, cfg.block_widths)
+            for s, g in zip(seqs, greedy)
+        ]
         batch = pack(seqs, features, greedy, blocks, cfg.mask_token_id, cfg.gamma, head.vocab, teacher)
         return batch, sum(len(s.tokens) for s in seqs)
 
@@ -175,16 +180,26 @@ def fit(
             state.epoch = state.step * chat_per_step / len(train_set)
             state.tokens_seen += tokens
             record = {
-                "step": state.step, "epoch": round(state.epoch, 3), "tokens_seen": state.tokens_seen,
-                "loss": round(loss.item(), 4), "acc": round(float(correct.mean()), 4),
+                "step": state.step,
+                "epoch": round(state.epoch, 3),
+                "tokens_seen": state.tokens_seen,
+                "loss": round(loss.item(), 4),
+                "acc": round(float(correct.mean()), 4),
                 "acc_pos1": round(float(first.mean()), 4) if first.size else None,
-                "lr": float(optimizer.learning_rate), "grad_norm": round(grad_norm.item(), 3),
-                "predictions": len(correct), "predictions_per_s": round(len(correct) / seconds, 1),
-                "target_s": round(features_done - tic, 2), "step_s": round(seconds, 2),
+                "lr": float(optimizer.learning_rate),
+                "grad_norm": round(grad_norm.item(), 3),
+                "predictions": len(correct),
+                "predictions_per_s": round(len(correct) / seconds, 1),
+                "target_s": round(features_done - tic, 2),
+                "step_s": round(seconds, 2),
             }
             state.history.append(record)
-            bar.update(task, advance=1, info=f"loss {record['loss']:.3f} acc {record['acc']:.3f} "
-                                             f"acc@1 {record['acc_pos1'] or 0:.3f} {record['predictions_per_s']:.0f} pred/s")
+            bar.update(
+                task,
+                advance=1,
+                info=f"loss {record['loss']:.3f} acc {record['acc']:.3f} "
+                f"acc@1 {record['acc_pos1'] or 0:.3f} {record['predictions_per_s']:.0f} pred/s",
+            )
             if state.step % 25 == 0:
                 log(" ".join(f"{k} {v}" for k, v in record.items()))
             if cfg.eval_every and state.step % cfg.eval_every == 0:
@@ -198,9 +213,7 @@ def fit(
     save_checkpoint(checkpoint, draft, optimizer, cfg, state)
     export(draft, out_dir)
     try:
-        from .plots import training_curve
-
         training_curve(out_dir / "train_log.jsonl", out_dir / "train_curve.png")
-    except ImportError as e:
+    except MissingMatplotlib as e:
         log(f"no training plot: {e}")
     return draft

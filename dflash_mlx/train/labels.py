@@ -8,11 +8,9 @@ import numpy as np
 from ..target import Target
 
 
-
-
-
-def target_pass(target: Target, seqs: list, layer_ids: list[int],
-                teacher_ids: Optional[mx.array] = None) -> tuple[mx.array, np.ndarray, Optional[mx.array]]:
+def target_pass(
+    target: Target, seqs: list, layer_ids: list[int], teacher_ids: Optional[mx.array] = None
+) -> tuple[mx.array, np.ndarray, Optional[mx.array]]:
     """The target over each of `seqs`: their features (S, L, n_layers * hidden), the
     target's greedy choice at every position (S, L), zero-padded to the longest, and
     with `teacher_ids` its logits over those ids (S, L, len(teacher_ids)), else None.
@@ -43,5 +41,3 @@ def label_counts(tokens: list[int], greedy: np.ndarray, block_size: int) -> np.n
     for i in range(n - 2, -1, -1):
         run[i] = run[i + 1] + 1 if agree[i] else 0
     return np.minimum.reduce([np.full(n, block_size - 1), n - np.arange(n), 1 + run[:n]])
-
-

@@ -11,8 +11,6 @@ from ..drafters import DFlashDraftModel
 from .packing import PackedBatch, PackedContext
 
 
-
-
 class RestrictedHead:
     """Frozen output embeddings of the `size` token ids most frequent in the data."""
 
@@ -31,12 +29,9 @@ def block_hidden(draft: DFlashDraftModel, batch: PackedBatch) -> mx.array:
     return draft.run_layers(batch.block_tokens, [context] * len(draft.layers))[0][batch.label_index]
 
 
-def block_logits(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead) -> mx.array:
-    return block_hidden(draft, batch) @ head.weight.T
-
-
-def selector_loss(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead, hidden: mx.array,
-                  logits: mx.array) -> mx.array:
+def selector_loss(
+    draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead, hidden: mx.array, logits: mx.array
+) -> mx.array:
     """Per labelled position: cross-entropy of the selector's scores over the top-k
     candidates against the label, after the teacher-forced predecessor; zero where
     the label is not among the candidates (the token loss must first bring it there)."""
@@ -60,7 +55,5 @@ def loss_fn(draft: DFlashDraftModel, batch: PackedBatch, head: RestrictedHead, d
     if draft.args.dflash2:
         per_position = per_position + selector_loss(draft, batch, head, hidden, logits)
     loss = (per_position * batch.weights).sum() / batch.weights.sum()
-    correct = (logits.argmax(axis=-1) == targets)
+    correct = logits.argmax(axis=-1) == targets
     return loss, correct
-
-

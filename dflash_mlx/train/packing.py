@@ -10,9 +10,6 @@ import mlx.core as mx
 import numpy as np
 
 
-
-
-
 @dataclass
 class PackedBatch:
     """Blocks of S sequences for one drafter pass, grouped by sequence.
@@ -58,14 +55,14 @@ class PackedContext:
         ctx_keys, ctx_values = attn.keys_values(self._context, 0)
         keys = mx.concatenate([ctx_keys, grouped(keys)], axis=2)
         values = mx.concatenate([ctx_values, grouped(values)], axis=2)
-        out = mx.fast.scaled_dot_product_attention(grouped(queries), keys, values, scale=attn.scale,
-                                                   mask=self._visible)
+        out = mx.fast.scaled_dot_product_attention(grouped(queries), keys, values, scale=attn.scale, mask=self._visible)
         S, H, Q, D = out.shape
         return out.transpose(1, 0, 2, 3).reshape(1, H, S * Q, D)
 
 
-def sample_blocks(seq, counts: np.ndarray, budget: int, rng: random.Random,
-                  widths: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+def sample_blocks(
+    seq, counts: np.ndarray, budget: int, rng: random.Random, widths: Optional[Sequence[int]] = None
+) -> list[tuple[int, int]]:
     """Random (anchor, labelled positions) pairs whose blocks fill at most `budget` positions.
     With `widths`, each block is cut to a verify width drawn from them (the block [anchor,
     MASK x (w-1)] the loop drafts at width w), so the budget holds more, shorter blocks."""
@@ -81,9 +78,16 @@ def sample_blocks(seq, counts: np.ndarray, budget: int, rng: random.Random,
     return sorted(blocks)
 
 
-def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[tuple[int, int]]],
-         mask_token_id: int, gamma: float, vocab: Optional[set] = None,
-         teacher: Optional[mx.array] = None) -> PackedBatch:
+def pack(
+    seqs: list,
+    features: mx.array,
+    greedy: np.ndarray,
+    blocks: list[list[tuple[int, int]]],
+    mask_token_id: int,
+    gamma: float,
+    vocab: Optional[set] = None,
+    teacher: Optional[mx.array] = None,
+) -> PackedBatch:
     """Blocks [token at a, MASK x n] at positions a..a+n, labelled greedy[a+k-1]
     at block position k (labels outside `vocab` are not predicted); `teacher`
     (S, L, V): the target's logits, gathered at the same positions as the labels."""
@@ -128,5 +132,3 @@ def pack(seqs: list, features: mx.array, greedy: np.ndarray, blocks: list[list[t
         block_index=mx.array(block_index.reshape(1, -1)),
         predecessors=mx.array(predecessors, dtype=mx.int32),
     )
-
-

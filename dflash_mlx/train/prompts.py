@@ -18,27 +18,123 @@ from pathlib import Path
 
 BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
 
-NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jia", "Kofi", "Lena",
-         "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara", "Uma", "Viktor", "Wen", "Yusuf"]
-ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells", "cards", "eggs",
-         "bottles", "tickets", "coins", "flowers", "candles", "buttons"]
-TOPICS = [
-    "photosynthesis", "the water cycle", "how vaccines work", "plate tectonics", "the French Revolution",
-    "inflation", "supply and demand", "black holes", "the immune system", "machine learning",
-    "the internet", "electric cars", "climate change", "the Roman Empire", "DNA replication",
-    "compound interest", "the stock market", "volcanoes", "rainbows", "how airplanes fly",
-    "recycling", "the solar system", "antibiotics", "the printing press", "renewable energy",
-    "sleep", "memory", "coffee", "bees and pollination", "ocean tides", "earthquakes", "magnets",
-    "the moon landing", "democracy", "the Renaissance", "music theory", "chess openings",
-    "nutrition", "exercise", "meditation", "time zones", "GPS", "encryption", "databases",
-    "operating systems", "compilers", "version control", "unit testing", "public speaking",
-    "budgeting", "gardening", "composting", "bread baking", "photography", "the history of jazz",
-    "the Silk Road", "glaciers", "deserts", "rainforests", "coral reefs", "bird migration",
+NAMES = [
+    "Ava",
+    "Ben",
+    "Chen",
+    "Dara",
+    "Eli",
+    "Fatima",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Jia",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nora",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sami",
+    "Tara",
+    "Uma",
+    "Viktor",
+    "Wen",
+    "Yusuf",
 ]
-STYLES = ["Explain {t} in simple terms.", "What are the main ideas behind {t}?",
-          "Give me three interesting facts about {t}.", "Write a short paragraph about {t} for a ten-year-old.",
-          "What are common misconceptions about {t}?", "Summarize the history of {t} in a few sentences.",
-          "List the pros and cons of {t}.", "How would you teach {t} to a beginner?"]
+ITEMS = [
+    "apples",
+    "pencils",
+    "stickers",
+    "marbles",
+    "books",
+    "cookies",
+    "stamps",
+    "shells",
+    "cards",
+    "eggs",
+    "bottles",
+    "tickets",
+    "coins",
+    "flowers",
+    "candles",
+    "buttons",
+]
+TOPICS = [
+    "photosynthesis",
+    "the water cycle",
+    "how vaccines work",
+    "plate tectonics",
+    "the French Revolution",
+    "inflation",
+    "supply and demand",
+    "black holes",
+    "the immune system",
+    "machine learning",
+    "the internet",
+    "electric cars",
+    "climate change",
+    "the Roman Empire",
+    "DNA replication",
+    "compound interest",
+    "the stock market",
+    "volcanoes",
+    "rainbows",
+    "how airplanes fly",
+    "recycling",
+    "the solar system",
+    "antibiotics",
+    "the printing press",
+    "renewable energy",
+    "sleep",
+    "memory",
+    "coffee",
+    "bees and pollination",
+    "ocean tides",
+    "earthquakes",
+    "magnets",
+    "the moon landing",
+    "democracy",
+    "the Renaissance",
+    "music theory",
+    "chess openings",
+    "nutrition",
+    "exercise",
+    "meditation",
+    "time zones",
+    "GPS",
+    "encryption",
+    "databases",
+    "operating systems",
+    "compilers",
+    "version control",
+    "unit testing",
+    "public speaking",
+    "budgeting",
+    "gardening",
+    "composting",
+    "bread baking",
+    "photography",
+    "the history of jazz",
+    "the Silk Road",
+    "glaciers",
+    "deserts",
+    "rainforests",
+    "coral reefs",
+    "bird migration",
+]
+STYLES = [
+    "Explain {t} in simple terms.",
+    "What are the main ideas behind {t}?",
+    "Give me three interesting facts about {t}.",
+    "Write a short paragraph about {t} for a ten-year-old.",
+    "What are common misconceptions about {t}?",
+    "Summarize the history of {t} in a few sentences.",
+    "List the pros and cons of {t}.",
+    "How would you teach {t} to a beginner?",
+]
 WRITING = [
     "Write a short email to {n} asking to move our meeting to {d}.",
     "Write a polite note to {n} thanking them for the {i}.",
@@ -54,30 +150,108 @@ WRITING = [
 PLACES = ["beach", "mountains", "city", "countryside", "lake", "forest", "desert", "island"]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "next week"]
 CODE_TASKS = [
-    "reverses the words in a sentence", "counts the vowels in a string", "checks whether a string is a palindrome",
-    "returns the n-th Fibonacci number", "flattens a nested list", "removes duplicates from a list while keeping order",
-    "merges two sorted lists", "computes the factorial of n", "finds the largest element of a list",
-    "converts Celsius to Fahrenheit", "counts word frequencies in a text", "checks whether two strings are anagrams",
-    "returns the greatest common divisor of two numbers", "transposes a matrix given as a list of lists",
-    "computes the average of a list of numbers", "checks whether a year is a leap year",
-    "returns all prime numbers below n", "capitalizes the first letter of every word", "rotates a list by k positions",
-    "finds the second smallest number in a list", "sums the digits of an integer", "converts a binary string to an integer",
-    "groups a list of words by their first letter", "returns the longest word in a sentence",
-    "implements binary search on a sorted list", "checks whether brackets in a string are balanced",
-    "chunks a list into pieces of size n", "computes the running total of a list", "counts the lines in a text file",
-    "validates a simple email address", "converts a dictionary to a list of key-value tuples sorted by value",
+    "reverses the words in a sentence",
+    "counts the vowels in a string",
+    "checks whether a string is a palindrome",
+    "returns the n-th Fibonacci number",
+    "flattens a nested list",
+    "removes duplicates from a list while keeping order",
+    "merges two sorted lists",
+    "computes the factorial of n",
+    "finds the largest element of a list",
+    "converts Celsius to Fahrenheit",
+    "counts word frequencies in a text",
+    "checks whether two strings are anagrams",
+    "returns the greatest common divisor of two numbers",
+    "transposes a matrix given as a list of lists",
+    "computes the average of a list of numbers",
+    "checks whether a year is a leap year",
+    "returns all prime numbers below n",
+    "capitalizes the first letter of every word",
+    "rotates a list by k positions",
+    "finds the second smallest number in a list",
+    "sums the digits of an integer",
+    "converts a binary string to an integer",
+    "groups a list of words by their first letter",
+    "returns the longest word in a sentence",
+    "implements binary search on a sorted list",
+    "checks whether brackets in a string are balanced",
+    "chunks a list into pieces of size n",
+    "computes the running total of a list",
+    "counts the lines in a text file",
+    "validates a simple email address",
+    "converts a dictionary to a list of key-value tuples sorted by value",
 ]
-STUB_MODULES = ["string", "textwrap", "statistics", "bisect", "heapq", "fnmatch", "difflib", "calendar", "shlex",
-                "html", "base64", "colorsys", "random", "posixpath", "json", "re", "urllib.parse", "copy", "glob",
-                "shutil", "datetime", "fractions", "ipaddress", "csv", "uuid", "secrets", "pprint", "graphlib",
-                "tokenize", "quopri", "mimetypes", "tempfile", "filecmp", "platform", "dataclasses", "inspect",
-                "ast", "traceback", "linecache", "getopt", "optparse", "gettext", "email.utils", "zipfile"]
-STUB_FRAMES = ["Complete the following Python function:\n```python\n{stub}```",
-               "Implement this function in Python (do not import {module}), then show one example call.\n"
-               "```python\n{stub}```",
-               "Here is a Python function signature with its docstring. Write the body.\n```python\n{stub}```"]
-STDLIB_MODULES = ["string", "textwrap", "itertools", "functools", "statistics", "math", "bisect", "heapq",
-                  "fnmatch", "difflib", "calendar", "shlex", "html", "base64", "colorsys", "operator", "random"]
+STUB_MODULES = [
+    "string",
+    "textwrap",
+    "statistics",
+    "bisect",
+    "heapq",
+    "fnmatch",
+    "difflib",
+    "calendar",
+    "shlex",
+    "html",
+    "base64",
+    "colorsys",
+    "random",
+    "posixpath",
+    "json",
+    "re",
+    "urllib.parse",
+    "copy",
+    "glob",
+    "shutil",
+    "datetime",
+    "fractions",
+    "ipaddress",
+    "csv",
+    "uuid",
+    "secrets",
+    "pprint",
+    "graphlib",
+    "tokenize",
+    "quopri",
+    "mimetypes",
+    "tempfile",
+    "filecmp",
+    "platform",
+    "dataclasses",
+    "inspect",
+    "ast",
+    "traceback",
+    "linecache",
+    "getopt",
+    "optparse",
+    "gettext",
+    "email.utils",
+    "zipfile",
+]
+STUB_FRAMES = [
+    "Complete the following Python function:\n```python\n{stub}```",
+    "Implement this function in Python (do not import {module}), then show one example call.\n```python\n{stub}```",
+    "Here is a Python function signature with its docstring. Write the body.\n```python\n{stub}```",
+]
+STDLIB_MODULES = [
+    "string",
+    "textwrap",
+    "itertools",
+    "functools",
+    "statistics",
+    "math",
+    "bisect",
+    "heapq",
+    "fnmatch",
+    "difflib",
+    "calendar",
+    "shlex",
+    "html",
+    "base64",
+    "colorsys",
+    "operator",
+    "random",
+]
 
 
 def _math(rng: random.Random) -> str:
@@ -174,8 +348,10 @@ def _stdlib_tasks() -> list[str]:
             doc = (inspect.getdoc(obj) or "").strip().split("\n\n")[0].replace("\n", " ")
             sentence = doc.split(". ")[0].rstrip(".")
             if 20 <= len(sentence) <= 160 and "(" not in sentence[:1]:
-                tasks.append(f"Write a Python function `{name}` that does this: {sentence}. "
-                             "Do not import the {module_name} module.".replace("{module_name}", module_name))
+                tasks.append(
+                    f"Write a Python function `{name}` that does this: {sentence}. "
+                    "Do not import the {module_name} module.".replace("{module_name}", module_name)
+                )
     return tasks
 
 
@@ -191,8 +367,11 @@ def builtin_prompts(seed: int = 0) -> list[str]:
     prompts += [_competition(rng) for _ in range(100)]
     prompts += _code_stubs(rng)
     for _ in range(140):
-        prompts.append(rng.choice(WRITING).format(n=rng.choice(NAMES), i=rng.choice(ITEMS), t=rng.choice(TOPICS),
-                                                  p=rng.choice(PLACES), d=rng.choice(DAYS)))
+        prompts.append(
+            rng.choice(WRITING).format(
+                n=rng.choice(NAMES), i=rng.choice(ITEMS), t=rng.choice(TOPICS), p=rng.choice(PLACES), d=rng.choice(DAYS)
+            )
+        )
     prompts = list(dict.fromkeys(prompts))  # drop exact repeats, keep order
     rng.shuffle(prompts)
     return prompts
@@ -213,7 +392,7 @@ def read_prompts(source: str) -> list[str]:
         try:
             prompts = [json.loads(line)["prompt"] for line in lines]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}: every line must be a JSON object with a \"prompt\" field") from None
+            raise ValueError(f'{path}: every line must be a JSON object with a "prompt" field') from None
     else:
         prompts = lines
     if not prompts:

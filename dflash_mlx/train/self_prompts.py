@@ -26,8 +26,9 @@ def user_turn_prefix(tokenizer: TokenizerWrapper) -> list[int]:
     """The chat template's text before a user message (its system prompt included)."""
     if not tokenizer.has_chat_template:
         raise ValueError("self-written prompts need a chat model: this tokenizer has no chat template")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False,
-                                         add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": MARK}], tokenize=False, add_generation_prompt=False
+    )
     if MARK not in text:
         raise ValueError("the chat template does not show the user's message as given; cannot find its user turn")
     return tokenizer.encode(text[: text.index(MARK)], add_special_tokens=False)
@@ -39,16 +40,33 @@ def _normal(text: str) -> str:
 
 def keep(text: str, seen: set[str], banned: set) -> bool:
     words = text.split()
-    return (20 <= len(text) <= 600 and len(words) >= 4 and _normal(text) not in seen
-            and not re.search(r"<\|[a-z_]+\|>|<\/?s>", text) and not shingles(text) & banned)
+    return (
+        20 <= len(text) <= 600
+        and len(words) >= 4
+        and _normal(text) not in seen
+        and not re.search(r"<\|[a-z_]+\|>|<\/?s>", text)
+        and not shingles(text) & banned
+    )
 
 
-def make_prompts(model, tokenizer: TokenizerWrapper, out, count: int, banned: set, temp: float = 1.0,
-                 top_p: float = 0.95, seed: int = 0, batch_size: int = 64, max_tokens: int = 96,
-                 show_progress: bool = True) -> Path:
+def make_prompts(
+    model,
+    tokenizer: TokenizerWrapper,
+    out,
+    count: int,
+    banned: set,
+    temp: float = 1.0,
+    top_p: float = 0.95,
+    seed: int = 0,
+    batch_size: int = 64,
+    max_tokens: int = 96,
+    show_progress: bool = True,
+) -> Path:
     """Append self-written prompts to the .jsonl file `out` until it holds `count` (resumes)."""
     out = Path(out)
-    rows = [json.loads(line)["prompt"] for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
+    rows = (
+        [json.loads(line)["prompt"] for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
+    )
     seen = {_normal(p) for p in rows}
     prefix = user_turn_prefix(tokenizer)
     stop = [[t] for t in tokenizer.eos_token_ids]
@@ -59,11 +77,18 @@ def make_prompts(model, tokenizer: TokenizerWrapper, out, count: int, banned: se
         barren = 0  # rounds in a row that kept nothing
         while len(rows) < count:
             if barren == 5:
-                raise ValueError(f"the target wrote no usable prompt in 5 rounds of {batch_size}; "
-                                 "try another --temp, or write the prompts yourself")
+                raise ValueError(
+                    f"the target wrote no usable prompt in 5 rounds of {batch_size}; "
+                    "try another --temp, or write the prompts yourself"
+                )
             before = len(rows)
-            generator = BatchGenerator(model, stop_tokens=stop, sampler=make_sampler(temp, top_p),
-                                       completion_batch_size=batch_size, prefill_batch_size=min(8, batch_size))
+            generator = BatchGenerator(
+                model,
+                stop_tokens=stop,
+                sampler=make_sampler(temp, top_p),
+                completion_batch_size=batch_size,
+                prefill_batch_size=min(8, batch_size),
+            )
             uids = generator.insert([prefix] * batch_size, [max_tokens] * batch_size)
             tokens, finished = {u: [] for u in uids}, set()
             while batch := generator.next_generated():

@@ -1,27 +1,21 @@
-"""Public API: load a target (+ drafter), stream or return generated text."""
+"""Generating text: prompts checked and encoded, requests decoded alone or together
+(engine.py), their tokens streamed back as text, cut at EOS, a stop string or max_tokens."""
 
-import hashlib
 import numbers
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
-import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import StepTimes, WidthChooser, cached_costs, measure_costs, step_times_path
-from .drafters import load_draft
-from .io import blas
-from .io.progress import add_task, console, progress
-from .batch import BatchDecoder, BatchStep
-from .engine import DecodeStats, DFlashModel, decode
-from .fused_ops import fuse
-from .grammar import Grammar
-from .prompt_cache import PromptCache
-from .sampling import SamplingParams, TokenLogprob, check_seed
-from .io.storage import cache_dir, fetch
-from .target import Target
+from ..engine import BatchStep, Decoder, decode_alone
+from ..grammar import Grammar
+from ..io.progress import add_task, progress
+from ..model import DFlashModel, Step
+from ..prompt_cache import PromptCache
+from ..request import Request
+from ..sampling import SamplingParams, TokenLogprob, check_seed
+from .loading import context_limit
 
 
 @dataclass
@@ -48,116 +42,6 @@ class GenerationResponse:
     stop_sequence: Optional[str] = None  # the stop string that ended the text, if one did
 
 
-def load(
-    model: Optional[str] = None,
-    draft: Optional[str] = None,
-    *,
-    quant: Optional[int] = None,
-    use_draft: bool = True,
-    adaptive: bool = True,
-    distributed: Optional[str] = None,
-    split: Optional[Sequence[int]] = None,
-    timeout: float = 60.0,
-) -> tuple[DFlashModel, TokenizerWrapper]:
-    """Load a target by short name, HF repo or local path, with its drafter.
-
-    `draft` overrides the drafter the registry pairs with `model`;
-    `use_draft=False` loads the target alone (plain decoding, same loop);
-    `adaptive` picks the verify width per cycle from this machine's measured
-    cost curve (measured once per model and machine, then cached);
-    `distributed="pipeline"` (under mlx.launch) splits the target's layers over
-    the ranks (`split`: layers per rank, rank 0 first; collective waits bounded
-    by `timeout` seconds): rank 0 gets the drafter and drives, the other ranks
-    get a target whose `follow()` serves rank 0 until it calls `finish()`.
-    """
-    from . import registry  # pulls in the GGUF converter; not needed to decode
-
-    resolved = registry.resolve(model, draft, quant)
-    target_path = fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
-    group = _pipeline_group(distributed, timeout)
-    mlx_model, tokenizer = _load_target(target_path, lazy=group is not None)
-    if group is None:
-        target = Target(mlx_model)
-    else:
-        from .distributed.pipeline import PipelineTarget
-
-        target = PipelineTarget(mlx_model, group, split, timeout)
-        mx.eval(target.model.parameters())  # this rank's layers only
-        if not target.is_driver:
-            return DFlashModel(target, None, f"rank {target.rank} follows rank 0", None), tokenizer
-
-    notice = blas.slow_notice()
-    if notice and target.dtype == mx.float32 and mx.default_device() == mx.cpu and notice not in _said:
-        console.print(notice, style="yellow", soft_wrap=True)
-        _said.add(notice)
-    drafter, note = None, resolved.draft_note
-    if not use_draft:
-        note = "drafting disabled (--no-draft)"
-    elif resolved.draft:
-        draft_path = fetch(resolved.draft, ["*.json", "*.safetensors"])
-        # fp16 activations overflow in drafters (zero acceptance seen in other ports)
-        dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
-        # MLX's CPU backend multiplies quantized weights several times slower than fp32 with
-        # BLAS (bench/drafter_pass.py: 120 vs 10 ms per 16-token block), so there they are expanded
-        drafter = fuse(load_draft(draft_path, dtype=dtype, dequantize=mx.default_device() == mx.cpu).bind(target))
-    chooser = None
-    if drafter is not None and adaptive:
-        key = f"{target_path.name}-{target.dtype}-{Path(resolved.draft).name}-{_fingerprint(draft_path)}"
-        if group is not None:  # the network is part of a pass's cost
-            key += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
-        def measure():
-            console.print("Measuring this machine's verify cost for the adaptive block size (once)", style="dim")
-            return measure_costs(target, drafter)
-
-        cost = cached_costs(key, measure, cache_dir())
-        step_times = StepTimes.stored(step_times_path(key, cache_dir()), basis=cost.seconds)
-        chooser = WidthChooser(cost, drafter.block_size, step_times=step_times)
-    return DFlashModel(target, drafter, note, chooser), tokenizer
-
-
-_said: set[str] = set()  # one-line notices already printed by this process
-
-
-def _fingerprint(folder: Path) -> str:
-    """Changes when a drafter dir's files change (its measured costs then do too)."""
-    digest = hashlib.sha1()
-    for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
-        digest.update(f"{f.name}:{f.stat().st_size}".encode())
-        if f.suffix == ".json":
-            digest.update(f.read_bytes())
-    return digest.hexdigest()[:10]
-
-
-def _pipeline_group(distributed: Optional[str], timeout: float):
-    if distributed is None:
-        return None
-    if distributed != "pipeline":
-        raise ValueError(f"--distributed must be 'pipeline', got {distributed!r}")
-    from .distributed.pipeline import connect
-
-    group = connect(timeout)
-    if group.size() < 2:
-        raise ValueError("--distributed pipeline needs several ranks: start it with mlx.launch "
-                         "(e.g. mlx.launch --hosts mac1,mac2 -- dflash-mlx generate ... --distributed pipeline)")
-    return group
-
-
-def _load_target(path: Path, lazy: bool = False):
-    """mlx-lm's loader, with what can be wrong with a model dir said in one line."""
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model directory: no config.json")
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer files there")
-    if not list(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    try:
-        return mlx_lm.load(str(path), lazy=lazy)
-    except Exception as e:  # mlx-lm raises whatever its parsers raise on a broken dir
-        reason = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"cannot load the model in {path} ({type(e).__name__}: {reason}); "
-                         "re-download or re-convert it") from None
-
-
 def format_prompt(
     tokenizer: TokenizerWrapper, prompt: str, system: Optional[str] = None, chat_template: bool = True
 ) -> list[int]:
@@ -168,9 +52,7 @@ def format_prompt(
         if text is not None and not _is_utf8(text):
             raise ValueError(f"the {what} is not valid UTF-8 text")
     if chat_template and tokenizer.has_chat_template:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}
-        ]
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return _chat_ids(tokenizer, messages)
     return tokenizer.encode(prompt)
 
@@ -239,7 +121,9 @@ def prompt_ids(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array
 def _chat_ids(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
     """Chat messages ([{"role": ..., "content": ...}]) through the tokenizer's chat template,
     ready for the assistant's turn."""
-    bad = next((m for m in messages if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)), None)
+    bad = next(
+        (m for m in messages if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)), None
+    )
     if bad is not None:
         raise ValueError(f"a chat message needs a string 'role' and 'content', got {bad!r}")
     if not tokenizer.has_chat_template:
@@ -248,30 +132,22 @@ def _chat_ids(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _context_limit(target: Target) -> Optional[int]:
-    owner = getattr(target.model, "language_model", target.model)
-    return getattr(getattr(owner, "args", None), "max_position_embeddings", None)
-
-
-@dataclass
-class Request:
-    """stream_generate's arguments, checked: what the engine decodes."""
-
-    prompt: mx.array
-    max_tokens: int
-    params: SamplingParams
-    seed: Optional[int]
-    block_size: Optional[int]
-    stop: list[str]
-    logprobs: Optional[int]
-    grammar: Optional[Grammar]
-
-
-def make_request(model: DFlashModel, tokenizer: TokenizerWrapper, prompt, max_tokens: int = 256, *,
-                 temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
-                 block_size: Optional[int] = None, stop: Union[str, Sequence[str]] = (),
-                 logprobs: Optional[int] = None, grammar: Optional[Grammar] = None) -> Request:
-    """A Request, or a ValueError / TypeError naming what is wrong."""
+def make_request(
+    model: DFlashModel,
+    tokenizer: TokenizerWrapper,
+    prompt,
+    max_tokens: int = 256,
+    *,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    block_size: Optional[int] = None,
+    stop: Union[str, Sequence[str]] = (),
+    logprobs: Optional[int] = None,
+    grammar: Optional[Grammar] = None,
+) -> tuple[Request, list[str]]:
+    """A Request and its stop strings, or a ValueError / TypeError naming what is wrong."""
     prompt = prompt_ids(tokenizer, prompt, model.target.vocab_size)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
         raise TypeError(f"max_tokens must be an integer, got {type(max_tokens).__name__}")
@@ -282,38 +158,49 @@ def make_request(model: DFlashModel, tokenizer: TokenizerWrapper, prompt, max_to
             raise TypeError(f"block_size must be an integer, got {type(block_size).__name__}")
         most = model.draft.block_size if model.draft is not None else 1
         if not 1 <= block_size <= most:
-            raise ValueError(f"block_size must be between 1 and {most} (the drafter's block), got {block_size}"
-                             if model.draft is not None else
-                             f"block_size must be 1 without a drafter, got {block_size}")
-    limit = _context_limit(model.target)
+            raise ValueError(
+                f"block_size must be between 1 and {most} (the drafter's block), got {block_size}"
+                if model.draft is not None
+                else f"block_size must be 1 without a drafter, got {block_size}"
+            )
+    limit = context_limit(model.target)
     if limit and prompt.size + max_tokens > limit:
         raise ValueError(
             f"prompt ({prompt.size} tokens) + max_tokens ({max_tokens}) exceeds the model's "
             f"context of {limit} tokens; shorten the prompt or lower max_tokens"
         )
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral)
-                                 or not 0 <= logprobs <= 20):
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral) or not 0 <= logprobs <= 20
+    ):
         raise ValueError(f"logprobs must be an integer between 0 and 20 (top alternatives per token), got {logprobs!r}")
     stop = [stop] if isinstance(stop, str) else list(stop)
     if not all(isinstance(s, str) for s in stop):
         raise TypeError("stop must be a string or a list of strings")
-    return Request(prompt, max_tokens, SamplingParams(temp, top_p, top_k), check_seed(seed), block_size, stop,
-                   logprobs, grammar)
+    request = Request(
+        prompt.tolist(),
+        int(max_tokens),
+        SamplingParams(temp, top_p, top_k),
+        check_seed(seed),
+        block_size,
+        logprobs,
+        grammar,
+    )
+    return request, stop
 
 
-class _Responses:
+class Responses:
     """A request's Steps as GenerationResponses: detokenized, cut at EOS, a stop string or
     max_tokens (the response that ends it has a finish_reason)."""
 
-    def __init__(self, model: DFlashModel, tokenizer: TokenizerWrapper, request: Request, stats: DecodeStats):
-        self.model, self.request, self.stats = model, request, stats
+    def __init__(self, tokenizer: TokenizerWrapper, request: Request, stop: list[str]):
+        self.request, self.stats = request, request.stats
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
-        self.stop_text = _StopText(request.stop)
+        self.stop_text = _StopText(stop)
         self.eos = set(tokenizer.eos_token_ids)
         self.generated = 0
 
-    def push(self, step) -> GenerationResponse:
+    def push(self, step: Step) -> GenerationResponse:
         tokens, finish = step.tokens, None
         for i, token in enumerate(tokens):
             if token in self.eos:
@@ -337,15 +224,15 @@ class _Responses:
         return self._response(text, tokens, accepted, finish, token_logprobs, stop_found)
 
     def _response(self, text, tokens, accepted, finish, token_logprobs, stop_sequence) -> GenerationResponse:
-        stats, model = self.stats, self.model
+        stats = self.stats
         return GenerationResponse(
             text=text,
             tokens=tokens,
             accepted=accepted,
-            prompt_tokens=self.request.prompt.size,
-            prompt_tps=self.request.prompt.size / max(stats.prompt_seconds, 1e-9),
+            prompt_tokens=len(self.request.prompt),
+            prompt_tps=len(self.request.prompt) / max(stats.prompt_seconds, 1e-9),
             generation_tokens=self.generated,
-            # the first token comes from the prefill, the rest from decoding
+            # the first token ends the prompt's time, the rest are decoding's
             generation_tps=max(self.generated - 1, 0) / max(stats.decode_seconds, 1e-9),
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
@@ -354,7 +241,7 @@ class _Responses:
             block_size=stats.block_size,
             widths=list(stats.widths),
             sources=list(stats.sources),
-            adaptive=model.chooser is not None and model.draft is not None and self.request.block_size is None,
+            adaptive=self.request.adaptive,
             cached_tokens=stats.cached_tokens,
             logprobs=token_logprobs,
             stop_sequence=stop_sequence,
@@ -380,12 +267,10 @@ def stream_generate(
     constrains the output."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    request = make_request(model, tokenizer, prompt, max_tokens, **options)
-    stats = DecodeStats()
-    responses = _Responses(model, tokenizer, request, stats)
+    request, stop = make_request(model, tokenizer, prompt, max_tokens, **options)
     mx.reset_peak_memory()
-    steps = decode(model, request.prompt, request.params, request.max_tokens, request.block_size, stats,
-                   request.seed, prompt_cache, request.logprobs, request.grammar)
+    steps = decode_alone(model, request, prompt_cache)
+    responses = Responses(tokenizer, request, stop)
     for step in steps:
         response = responses.push(step)
         if response.finish_reason:
@@ -396,7 +281,7 @@ def stream_generate(
 
 
 class BatchGenerator:
-    """Requests decoded together (batch.py), each streamed as stream_generate streams it.
+    """Requests decoded together (engine.Decoder), each streamed as stream_generate streams it.
 
         gen = BatchGenerator(model, tokenizer, max_batch=8)
         uid = gen.insert("Hello", max_tokens=64, temp=0.7, seed=1)
@@ -407,15 +292,21 @@ class BatchGenerator:
     A request that finishes leaves the batch by itself; `remove(uid)` drops one early.
     `max_batch_tokens` bounds the batch's caches (rows x the longest row's prompt + max_tokens)."""
 
-    def __init__(self, model: DFlashModel, tokenizer: TokenizerWrapper, max_batch: int = 8,
-                 prompt_cache: Optional[PromptCache] = None, max_batch_tokens: Optional[int] = None):
+    def __init__(
+        self,
+        model: DFlashModel,
+        tokenizer: TokenizerWrapper,
+        max_batch: int = 8,
+        prompt_cache: Optional[PromptCache] = None,
+        max_batch_tokens: Optional[int] = None,
+    ):
         for name, value in (("max_batch", max_batch), ("max_batch_tokens", max_batch_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.model = model
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
-        self.decoder = BatchDecoder(model, prompt_cache, max_batch, max_batch_tokens)
-        self.responses: dict[int, _Responses] = {}
+        self.decoder = Decoder(model, prompt_cache, max_batch, max_batch_tokens)
+        self.responses: dict[int, Responses] = {}
         self.last_step: Optional[BatchStep] = None
 
     @property
@@ -424,11 +315,9 @@ class BatchGenerator:
 
     def insert(self, prompt, max_tokens: int = 256, **options) -> int:
         """Queue a request (stream_generate's arguments); its uid.  Bad arguments raise here."""
-        request = make_request(self.model, self.tokenizer, prompt, max_tokens, **options)
-        stats = DecodeStats()
-        uid = self.decoder.add(request.prompt, request.params, request.max_tokens, request.block_size,
-                               request.seed, request.logprobs, request.grammar, stats)
-        self.responses[uid] = _Responses(self.model, self.tokenizer, request, stats)  # a detokenizer of its own
+        request, stop = make_request(self.model, self.tokenizer, prompt, max_tokens, **options)
+        uid = self.decoder.add(request)
+        self.responses[uid] = Responses(self.tokenizer, request, stop)  # a detokenizer of its own
         return uid
 
     def remove(self, uid: int) -> None:
@@ -453,9 +342,16 @@ class BatchResponse:
     responses: list[GenerationResponse]  # the last of each prompt: finish_reason and statistics
 
 
-def batch_generate(model: DFlashModel, tokenizer: TokenizerWrapper, prompts: Sequence, max_tokens: int = 256,
-                   max_batch: int = 8, verbose: bool = False, max_batch_tokens: Optional[int] = None,
-                   **options) -> BatchResponse:
+def batch_generate(
+    model: DFlashModel,
+    tokenizer: TokenizerWrapper,
+    prompts: Sequence,
+    max_tokens: int = 256,
+    max_batch: int = 8,
+    verbose: bool = False,
+    max_batch_tokens: Optional[int] = None,
+    **options,
+) -> BatchResponse:
     """Every prompt's generated text, decoded in batches of up to `max_batch` (in the style of
     mlx-lm's batch_generate); options as stream_generate's, for every prompt."""
     gen = BatchGenerator(model, tokenizer, max_batch, max_batch_tokens=max_batch_tokens)
@@ -505,8 +401,10 @@ def format_stats(r: GenerationResponse, model: DFlashModel) -> str:
         lines.append(f"DFlash: block {r.block_size}, tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}")
         if r.adaptive and r.widths:
             kinds = {s: r.sources.count(s) for s in ("dflash", "lookup", "plain")}
-            lines.append(f"Adaptive: mean width {sum(r.widths) / len(r.widths):.1f}; cycles: {kinds['dflash']} drafted, "
-                         f"{kinds['lookup']} prompt lookup, {kinds['plain']} plain (predicted fastest there)")
+            lines.append(
+                f"Adaptive: mean width {sum(r.widths) / len(r.widths):.1f}; cycles: {kinds['dflash']} drafted, "
+                f"{kinds['lookup']} prompt lookup, {kinds['plain']} plain (predicted fastest there)"
+            )
     else:
         lines.append(f"DFlash: off ({model.draft_note or 'no drafter'}), plain target decoding")
     return "\n".join(lines)

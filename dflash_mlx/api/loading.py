@@ -1,0 +1,140 @@
+"""Loading a target and its drafter: by short name, Hugging Face repo or local directory,
+with the adaptive plan's measured costs, on one machine or split over several."""
+
+import hashlib
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..costs import StepTimes, cached_costs, measure_costs, step_times_path
+from ..drafters import load_draft
+from ..fused_ops import fuse
+from ..io import blas
+from ..io.progress import console
+from ..io.storage import cache_dir, fetch
+from ..model import DFlashModel
+from ..plan import Planner
+from ..target import Target
+
+
+def load(
+    model: Optional[str] = None,
+    draft: Optional[str] = None,
+    *,
+    quant: Optional[int] = None,
+    use_draft: bool = True,
+    adaptive: bool = True,
+    distributed: Optional[str] = None,
+    split: Optional[Sequence[int]] = None,
+    timeout: float = 60.0,
+) -> tuple[DFlashModel, TokenizerWrapper]:
+    """Load a target by short name, HF repo or local path, with its drafter.
+
+    `draft` overrides the drafter the registry pairs with `model`;
+    `use_draft=False` loads the target alone (plain decoding, same loop);
+    `adaptive` picks the verify width per cycle from this machine's measured
+    cost curve (measured once per model and machine, then cached);
+    `distributed="pipeline"` (under mlx.launch) splits the target's layers over
+    the ranks (`split`: layers per rank, rank 0 first; collective waits bounded
+    by `timeout` seconds): rank 0 gets the drafter and drives, the other ranks
+    get a target whose `follow()` serves rank 0 until it calls `finish()`.
+    """
+    from .. import registry  # pulls in the GGUF converter; not needed to decode
+
+    resolved = registry.resolve(model, draft, quant)
+    target_path = fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
+    group = _pipeline_group(distributed, timeout)
+    mlx_model, tokenizer = _load_target(target_path, lazy=group is not None)
+    if group is None:
+        target = Target(mlx_model)
+    else:
+        from ..distributed.pipeline import PipelineTarget
+
+        target = PipelineTarget(mlx_model, group, split, timeout)
+        mx.eval(target.model.parameters())  # this rank's layers only
+        if not target.is_driver:
+            return DFlashModel(target, None, f"rank {target.rank} follows rank 0", None), tokenizer
+
+    notice = blas.slow_notice()
+    if notice and target.dtype == mx.float32 and mx.default_device() == mx.cpu and notice not in _said:
+        console.print(notice, style="yellow", soft_wrap=True)
+        _said.add(notice)
+    drafter, note = None, resolved.draft_note
+    if not use_draft:
+        note = "drafting disabled (--no-draft)"
+    elif resolved.draft:
+        draft_path = fetch(resolved.draft, ["*.json", "*.safetensors"])
+        # fp16 activations overflow in drafters (zero acceptance seen in other ports)
+        dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
+        # MLX's CPU backend multiplies quantized weights several times slower than fp32 with
+        # BLAS (bench/drafter_pass.py: 120 vs 10 ms per 16-token block), so there they are expanded
+        drafter = fuse(load_draft(draft_path, dtype=dtype, dequantize=mx.default_device() == mx.cpu).bind(target))
+    planner = None
+    if drafter is not None and adaptive:
+        key = f"{target_path.name}-{target.dtype}-{Path(resolved.draft).name}-{_fingerprint(draft_path)}"
+        if group is not None:  # the network is part of a pass's cost
+            key += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
+
+        def measure():
+            console.print("Measuring this machine's verify cost for the adaptive block size (once)", style="dim")
+            return measure_costs(target, drafter)
+
+        cost = cached_costs(key, measure, cache_dir())
+        step_times = StepTimes.stored(step_times_path(key, cache_dir()), basis=cost.seconds)
+        planner = Planner(cost, drafter.block_size, step_times)
+    return DFlashModel(target, drafter, note, planner), tokenizer
+
+
+_said: set[str] = set()  # one-line notices already printed by this process
+
+
+def _fingerprint(folder: Path) -> str:
+    """Changes when a drafter dir's files change (its measured costs then do too)."""
+    digest = hashlib.sha1()
+    for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+        if f.suffix == ".json":
+            digest.update(f.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def _pipeline_group(distributed: Optional[str], timeout: float):
+    if distributed is None:
+        return None
+    if distributed != "pipeline":
+        raise ValueError(f"--distributed must be 'pipeline', got {distributed!r}")
+    from ..distributed.pipeline import connect
+
+    group = connect(timeout)
+    if group.size() < 2:
+        raise ValueError(
+            "--distributed pipeline needs several ranks: start it with mlx.launch "
+            "(e.g. mlx.launch --hosts mac1,mac2 -- dflash-mlx generate ... --distributed pipeline)"
+        )
+    return group
+
+
+def _load_target(path: Path, lazy: bool = False):
+    """mlx-lm's loader, with what can be wrong with a model dir said in one line."""
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory: no config.json")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer files there")
+    if not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    try:
+        return mlx_lm.load(str(path), lazy=lazy)
+    except Exception as e:  # mlx-lm raises whatever its parsers raise on a broken dir
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"cannot load the model in {path} ({type(e).__name__}: {reason}); re-download or re-convert it"
+        ) from None
+
+
+def context_limit(target: Target) -> Optional[int]:
+    """The longest sequence the target was trained for (None when its config does not say)."""
+    owner = getattr(target.model, "language_model", target.model)
+    return getattr(getattr(owner, "args", None), "max_position_embeddings", None)

@@ -1,0 +1,66 @@
+"""The types both sides of the decode loop share: the model pair, a request's
+statistics, and what one cycle committed."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from .drafters import DFlashDraftModel
+from .sampling import TokenLogprob
+from .target import Target
+
+if TYPE_CHECKING:
+    from .plan import Planner
+
+
+@dataclass
+class DFlashModel:
+    """A target with an optional drafter bound to it."""
+
+    target: Target
+    draft: Optional[DFlashDraftModel] = None
+    draft_note: str = ""  # why there is no drafter, when there is none
+    planner: Optional["Planner"] = None  # adaptive verify widths, kept across generations
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return self.draft.target_layer_ids if self.draft else []
+
+
+@dataclass
+class DecodeStats:
+    """Tokens committed per cycle (accepted drafts + the target's own token)."""
+
+    block_size: int = 1
+    accepted_lengths: list[int] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)  # verify width of each cycle (1 = plain)
+    sources: list[str] = field(default_factory=list)  # what proposed each cycle: plain, dflash or lookup
+    prompt_seconds: float = 0.0  # until the first token is out
+    decode_seconds: float = 0.0  # after it
+    cached_tokens: int = 0  # prompt tokens restored from a prompt cache instead of prefilled
+
+    @property
+    def cycles(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target verification (bonus token included)."""
+        return sum(self.accepted_lengths) / max(1, self.cycles)
+
+    @property
+    def plain_cycles(self) -> int:
+        return sum(w == 1 for w in self.widths)
+
+    @property
+    def histogram(self) -> list[int]:
+        """histogram[k-1] = number of cycles that committed k tokens, k = 1..block_size."""
+        counts = Counter(self.accepted_lengths)
+        return [counts.get(k, 0) for k in range(1, self.block_size + 1)]
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # committed this cycle, in order
+    accepted: int  # how many of them were draft tokens
+    logprobs: Optional[list[TokenLogprob]] = None  # per token, when asked for

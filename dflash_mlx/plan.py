@@ -1,0 +1,269 @@
+"""The plan of each decode step: for every row, what proposes (the drafter, the prompt
+lookup, or nothing) and how many tokens the step verifies.
+
+With the cost of a step (costs.py) and an estimate of how often a proposal's k-th token
+is accepted, the planner chooses the plans that maximise the tokens the step is expected
+to commit per second:
+
+    sum over rows E[committed | L_row] / seconds(rows, L),   E[committed | L] = 1 + sum_{k<L} prod_{j<=k} a_j
+
+where every row is verified at the step's width L (the widest plan's; a narrower plan is
+padded with tokens that are never accepted).  One row is the single-stream case: plain
+decoding (L = 1), the drafter at L = 2 .. its block, or the prompt lookup's proposal
+(lookup.py: no drafter pass) at L = 2 .. its length + 1, judged by the acceptance of
+matches of that suffix length (a 1-token match is a weak hint, a 4-token one a strong one).
+On a CPU, where a pass is compute-bound, a large batch decodes plain; where the pass cost
+is flat in its length (a Mac GPU), drafting pays at small and medium batch sizes.
+
+Acceptance estimates are per row (its generation): each starts from a prior, the long-run
+estimate of that kind over everything decoded so far, and follows the evidence of its last
+cycles (every cycle ages it, so it drifts back to the prior when a kind has not been tried
+lately).  A drafter the prior says never pays is still tried, at width 2, after
+`first_probe` steps of each generation and then once every `explore_every` steps without
+it (rows due together probe together): a prompt can be easier than the average.  And a
+plain step of a batch size not run for `explore_every` steps is run again, so the figure
+it is judged by stays current.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from .costs import CostModel, StepTimes
+from .lookup import NO_MATCH, Match
+from .sampling import SamplingParams
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position conditional acceptance a_k = P(token k accepted | 1..k-1 accepted),
+    as exponentially aged counts on top of a prior (a rate, or one per position).  A
+    position with no prior of its own inherits the estimate of the position before
+    it, so the width can grow in one step when drafts are being fully accepted."""
+
+    max_width: int
+    prior: float | list = 0.5  # one rate, or one per position (None: inherit the position before)
+    prior_weight: float = 2.0
+    decay: float = 0.98
+    trials: list = field(default_factory=list)
+    hits: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.trials = self.trials or [0.0] * self.max_width
+        self.hits = self.hits or [0.0] * self.max_width
+
+    def rates(self) -> list[float]:
+        priors = self.prior if isinstance(self.prior, list) else [self.prior]
+        rates, previous = [], priors[0]
+        for k, (t, h) in enumerate(zip(self.trials, self.hits)):
+            own = priors[k] if k < len(priors) else None
+            previous = (h + (previous if own is None else own) * self.prior_weight) / (t + self.prior_weight)
+            rates.append(previous)
+        return rates
+
+    def informed_rates(self, min_trials: float = 1.0) -> list[Optional[float]]:
+        """The first position's rate, then the rates of the positions with evidence behind them
+        (None elsewhere): a prior that lets positions never tried inherit the estimate of the
+        position before them."""
+        rates = self.rates()
+        return rates[:1] + [r if t >= min_trials else None for r, t in zip(rates[1:], self.trials[1:])]
+
+    def age(self) -> None:
+        """One cycle has passed: older evidence counts for less."""
+        self.trials = [t * self.decay for t in self.trials]
+        self.hits = [h * self.decay for h in self.hits]
+
+    def observe(self, width: int, accepted: int) -> None:
+        """A cycle that proposed width-1 tokens and had `accepted` of them accepted."""
+        for k in range(min(accepted + 1, width - 1)):  # positions actually tested
+            self.trials[k] += 1
+            self.hits[k] += k < accepted
+
+    def expected_committed(self) -> list[float]:
+        """[L] = E[committed | width L], for L = 0 .. max_width + 1 ([0] unused)."""
+        run, sums = 1.0, [1.0, 1.0]
+        for a in self.rates():
+            run *= a
+            sums.append(sums[-1] + run)
+        return sums
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one cycle does: verify `width` tokens, the last committed one plus width - 1
+    proposed by `source` ("dflash": the drafter, "lookup": the prompt lookup's `tokens`,
+    found by a suffix match of `match` tokens); width 1 is a plain decoding step."""
+
+    width: int = 1
+    source: str = "plain"
+    tokens: tuple = ()
+    match: int = 0
+
+    @property
+    def kind(self) -> str:
+        """Whose acceptance estimate this plan is judged by."""
+        return f"lookup{self.match}" if self.source == "lookup" else self.source
+
+
+PLAIN = Plan()
+
+
+class Row(Protocol):
+    """What the planner reads of a request (request.Request)."""
+
+    adaptive: bool  # its width follows the plan (no fixed block size asked for)
+    block: int  # its widest verify
+    left: int  # tokens it may still commit
+    params: SamplingParams
+    estimates: dict  # kind -> AcceptanceEstimate, this generation's
+    since_draft: int  # steps since it last drafted
+
+    def match(self, limit: int) -> Match: ...
+
+
+@dataclass
+class Planner:
+    """Chooses every step's plans (`plan`) and learns from what the steps did (`learn`)."""
+
+    cost: CostModel
+    max_width: int
+    step_times: StepTimes = field(default_factory=StepTimes)
+    prior: float = 0.5
+    explore_every: int = 64
+    first_probe: int = 8
+    long_run_decay: float = 0.999
+    long_run: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate over every generation
+    steps: int = 0  # steps learnt from
+    plain_at: dict = field(default_factory=dict)  # batch size -> the step its plain shape last ran at
+
+    def start(self, row: Row) -> None:
+        """A new generation: fresh estimates, and an early first probe of the drafter
+        (prompts differ more than the long run says)."""
+        row.estimates = {}
+        row.since_draft = max(0, self.explore_every - self.first_probe)
+
+    def estimate(self, row: Row, kind: str) -> AcceptanceEstimate:
+        """The row's acceptance estimate of `kind` (the long-run rates are its prior)."""
+        if kind not in row.estimates:
+            row.estimates[kind] = AcceptanceEstimate(self.max_width, prior=self._long_run(kind).informed_rates())
+        return row.estimates[kind]
+
+    def _long_run(self, kind: str) -> AcceptanceEstimate:
+        if kind not in self.long_run:
+            self.long_run[kind] = AcceptanceEstimate(self.max_width, prior=self.prior, decay=self.long_run_decay)
+        return self.long_run[kind]
+
+    # ------------------------------------------------------------ planning
+
+    def plan(self, rows: list[Row], drafter: bool = True, lookahead: int = 0) -> list[Plan]:
+        """Each row's plan for the next step.  With `lookahead` = 1 the step after that is
+        planned before the coming tokens are read (to queue it when it is plain): the rows
+        count one token less left, and their lookup matches are the current ones."""
+        lefts = [row.left - lookahead for row in rows]
+        fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
+        if not any(row.adaptive for row in rows):
+            return fixed
+        least = max((plan.width for row, plan in zip(rows, fixed) if not row.adaptive), default=1)
+        if least == 1 and self.steps - self.plain_at.get(len(rows), 0) >= self.explore_every:
+            return [PLAIN] * len(rows)  # re-time the plain step: its figure may be old, or one bad step
+        matches = [
+            row.match(min(self.max_width, left) - 1) if row.adaptive else NO_MATCH for row, left in zip(rows, lefts)
+        ]
+        expected = self._expected(rows)
+        best, best_value = fixed, -1.0
+        for width in range(least, self.max_width + 1):
+            plans = [
+                self._row_plan(row, min(width, left), match, drafter, expected) if row.adaptive else plan
+                for row, left, plan, match in zip(rows, lefts, fixed, matches)
+            ]
+            value = sum(expected(row, plan) for row, plan in zip(rows, plans)) / self.seconds(rows, plans)
+            if value > best_value:
+                best, best_value = plans, value
+        return self._probes(rows, lefts, best, drafter)
+
+    def _expected(self, rows: list[Row]):
+        sums = {}  # (row, kind) -> E[committed | width] for every width: summed once per step
+
+        def expected(row: Row, plan: Plan) -> float:
+            if plan.width == 1:
+                return 1.0
+            if (id(row), plan.kind) not in sums:
+                sums[id(row), plan.kind] = self.estimate(row, plan.kind).expected_committed()
+            return sums[id(row), plan.kind][plan.width]
+
+        return expected
+
+    def _row_plan(self, row: Row, limit: int, match: Match, drafter: bool, expected) -> Plan:
+        """The row's likeliest-accepted proposal of at most `limit` tokens verified."""
+        limit = min(limit, row.block)
+        if limit < 2:
+            return PLAIN
+        candidates = [Plan(limit, "dflash")] if drafter else []
+        if match:
+            longest = min(len(match.tokens) + 1, limit)
+            candidates.append(Plan(longest, "lookup", match.tokens[: longest - 1], match.length))
+        return max(candidates, key=lambda plan: expected(row, plan), default=PLAIN)
+
+    def _probes(self, rows: list[Row], lefts: list[int], plans: list[Plan], drafter: bool) -> list[Plan]:
+        """Rows whose drafter has not run for `explore_every` steps draft at width 2 (with
+        them, every row halfway there: probes of one batch share a step)."""
+
+        def due(row, left, plan, steps):  # this step would be the `steps`-th without drafting
+            return row.adaptive and plan == PLAIN and left >= 2 and row.since_draft + 1 >= steps
+
+        if not drafter or not any(due(*args, self.explore_every) for args in zip(rows, lefts, plans)):
+            return plans
+        return [
+            Plan(2, "dflash") if due(row, left, plan, self.explore_every // 2) else plan
+            for row, left, plan in zip(rows, lefts, plans)
+        ]
+
+    def modelled(self, rows: list[Row], plans: list[Plan]) -> float:
+        """One step's time by the cost curve: a target pass over every row at the widest plan's
+        width, one drafter pass per width the drafting rows draft at, and each row's sampling
+        distributions."""
+        cost, width = self.cost, max(plan.width for plan in plans)
+        drafting: dict[int, int] = {}
+        for plan in plans:
+            if plan.source == "dflash" and plan.width > 1:
+                drafting[plan.width] = drafting.get(plan.width, 0) + 1
+        return (
+            cost.verify(len(rows) * width)
+            + sum(cost.drafter_pass(w, count) for w, count in drafting.items())
+            + sum(
+                cost.sampling(plan.width, row.params, drafted=plan.source == "dflash") for row, plan in zip(rows, plans)
+            )
+        )
+
+    def seconds(self, rows: list[Row], plans: list[Plan]) -> float:
+        """The expected wall time of a step: the curve, scaled by what steps of its shape took."""
+        return self.step_times.seconds(len(rows), max(plan.width for plan in plans), self.modelled(rows, plans))
+
+    # ------------------------------------------------------------ learning
+
+    def learn(self, rows: list[Row], plans: list[Plan], accepted: list[int], seconds: float) -> None:
+        """A step just run: each adaptive row's acceptance (where it proposed), and its time."""
+        for row, plan, n in zip(rows, plans, accepted):
+            if plan.source == "dflash":
+                row.since_draft = 0
+            else:
+                row.since_draft += 1
+            if not row.adaptive:
+                continue
+            for estimate in row.estimates.values():
+                estimate.age()
+            if plan.width > 1:
+                self.estimate(row, plan.kind).observe(plan.width, n)
+                long_run = self._long_run(plan.kind)
+                long_run.age()
+                long_run.observe(plan.width, n)
+        width = max(plan.width for plan in plans)
+        self.step_times.observe(len(rows), width, self.modelled(rows, plans), seconds)
+        self.steps += 1
+        if width == 1:
+            self.plain_at[len(rows)] = self.steps
+
+
+def fixed_plan(block: int, left: int) -> Plan:
+    """A row's plan without a planner: the drafter at its block size (cut to what is left)."""
+    width = min(block, left)
+    return Plan(width, "dflash") if width > 1 else PLAIN

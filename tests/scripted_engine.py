@@ -1,0 +1,50 @@
+"""An engine batch replaced by a script (for the HTTP wiring's tests): each request is answered
+by the text pieces `reply(prompt)` gives, one piece per step."""
+
+from types import SimpleNamespace
+
+
+def scripted_batch(reply):
+    """A stand-in for api.BatchGenerator whose requests get `reply(prompt)`'s pieces."""
+
+    def responses(prompt):
+        pieces = reply(prompt)
+        for i, text in enumerate(pieces):
+            yield SimpleNamespace(
+                text=text,
+                finish_reason="stop" if i == len(pieces) - 1 else None,
+                prompt_tokens=len(prompt),
+                generation_tokens=i + 1,
+                tau=1.0,
+                acceptance_histogram=[i + 1],
+                widths=[1] * (i + 1),
+                sources=["plain"] * (i + 1),
+                block_size=4,
+                generation_tps=1.0,
+                cached_tokens=0,
+                logprobs=None,
+                stop_sequence=None,
+            )
+
+    class ScriptedBatch:
+        last_step = None
+
+        def __init__(self, *args):
+            self.running, self.uids = {}, iter(range(1 << 30))
+
+        def insert(self, prompt, max_tokens, **options):
+            uid = next(self.uids)
+            self.running[uid] = responses(prompt)
+            return uid
+
+        def next(self):
+            out = [(uid, next(steps)) for uid, steps in self.running.items()]
+            for uid, response in out:
+                if response.finish_reason:
+                    self.remove(uid)
+            return out
+
+        def remove(self, uid):
+            self.running.pop(uid, None)
+
+    return ScriptedBatch

@@ -1,0 +1,291 @@
+"""The plan (plan.py): picks each row's source (drafter or prompt lookup) and the step's width
+from the cost curve (costs.py), the steps' measured times and acceptance estimates, falls
+back to plain decoding when proposing cannot pay, and keeps decoding lossless."""
+
+import random
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.costs import CostModel, StepTimes, measure_costs, monotone
+from dflash_mlx.engine import Decoder, decode
+from dflash_mlx.lookup import NO_MATCH, Match
+from dflash_mlx.model import DecodeStats, DFlashModel
+from dflash_mlx.plan import PLAIN, AcceptanceEstimate, Plan, Planner
+from dflash_mlx.request import Request
+from dflash_mlx.sampling import SamplingParams
+from tiny_models import Clock, Timed, oracle_draft, random_draft, tiny_target
+
+
+@dataclass
+class Row:
+    """A request as the planner sees it (plan.Row)."""
+
+    left: int = 1000
+    lookup: Match = NO_MATCH
+    adaptive: bool = True
+    block: int = 16
+    params: SamplingParams = SamplingParams()
+    estimates: dict = field(default_factory=dict)
+    since_draft: int = 0
+
+    def match(self, limit: int) -> Match:
+        return Match(self.lookup.tokens[:limit], self.lookup.length) if self.lookup else NO_MATCH
+
+
+def planner_with(rates, cost, max_width=16, kind="dflash", **kwargs) -> tuple[Planner, Row]:
+    planner, row = Planner(cost, max_width, **kwargs), Row(block=max_width)
+    planner.start(row)
+    # a long history with exactly these conditional acceptance rates
+    planner.estimate(row, kind).trials = [1e6] * max_width
+    planner.estimate(row, kind).hits = [r * 1e6 for r in rates]
+    return planner, row
+
+
+def best(planner: Planner, row: Row, **changes) -> Plan:
+    for name, value in changes.items():
+        setattr(row, name, value)
+    return planner.plan([row])[0]
+
+
+def run(planner: Planner, row: Row, plan: Plan, accepted: int, factor: float = 1.0) -> None:
+    """The planner learns of one step of `plan` that took `factor` times its modelled time."""
+    planner.learn([row], [plan], [accepted], factor * planner.modelled([row], [plan]))
+
+
+def cpu_like(base=0.1, slope=0.11, draft=0.012):
+    widths = [1, 2, 4, 8, 16]
+    return CostModel(widths, [base * (1 + slope * (w - 1)) for w in widths], draft)
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel([1, 2, 4], [1.0, 2.0, 3.0], 0.5)
+    assert cost.verify(3) == pytest.approx(2.5)
+    assert cost.verify(6) == pytest.approx(4.0)
+    assert cost.cycle(1) == pytest.approx(1.0) and cost.cycle(2) == pytest.approx(2.5)
+    assert cost.cycle(2, drafted=False) == pytest.approx(2.0)  # a lookup proposal costs no drafter pass
+    assert cost.describe().startswith("verify 1/2/4 tokens = 1000/2000/3000 ms; drafter 500.0 ms")
+
+
+def test_cheap_verification_and_good_drafts_use_the_whole_block():
+    flat = CostModel([1, 16], [0.1, 0.1], 0.01)
+    assert best(*planner_with([0.9] * 16, flat)) == Plan(16, "dflash")
+
+
+def test_one_row_matches_brute_force_on_random_profiles():
+    rng = random.Random(0)
+    for _ in range(200):
+        rates = [rng.random() for _ in range(16)]
+        widths = [1, 2, 4, 8, 16]
+        seconds = sorted(rng.uniform(0.05, 1.0) for _ in widths)
+        cost = CostModel(widths, seconds, rng.uniform(0, 0.2))
+
+        def value(L):
+            expected, run = 1.0, 1.0
+            for a in rates[: L - 1]:
+                run *= a
+                expected += run
+            return expected / cost.cycle(L)
+
+        assert best(*planner_with(rates, cost)).width == max(range(1, 17), key=value)
+
+
+def test_falls_back_to_plain_decoding_and_explores_now_and_then():
+    planner, row = planner_with([0.05] * 16, cpu_like(), explore_every=64, first_probe=8)
+    plans = []
+    for _ in range(64 * 3):
+        plans.append(best(planner, row))
+        planner.learn([row], plans[-1:], [0], planner.modelled([row], plans[-1:]))
+    # a drafter that does not pay is still tried at width 2: early in a generation, then
+    # once every 64 steps without it (the plain step is re-timed every 64 steps too)
+    assert [i + 1 for i, p in enumerate(plans) if p != PLAIN] == [8, 72, 136]
+    assert {p for p in plans if p != PLAIN} == {Plan(2, "dflash")}
+    # a moderately good drafter on the same machine gets a middle width
+    assert 2 < best(*planner_with([0.7] * 16, cpu_like())).width < 16
+    # the number of tokens left caps the width, explorations included (the server load test
+    # once got 9 tokens for max_tokens 8 from a probe of 2 with one token left)
+    assert best(*planner_with([0.99] * 16, cpu_like()), left=3).width == 3
+    planner, row = planner_with([0.05] * 16, cpu_like(), explore_every=4)
+    row.left = 1
+    assert all(best(planner, row) == PLAIN for _ in range(50))
+    row.since_draft, row.left = 100, 2
+    assert best(planner, row) == Plan(2, "dflash")
+
+
+def test_probes_of_a_batch_share_a_step():
+    """Rows due for a probe of the drafter probe together with every row halfway there."""
+    planner = Planner(cpu_like(), 16, explore_every=64)
+    rows = [Row(since_draft=n) for n in (64, 40, 10)]
+    for row in rows:
+        planner.estimate(row, "dflash").trials = [1e6] * 16  # a drafter that never pays
+    assert [p.width for p in planner.plan(rows)] == [2, 2, 1]
+    rows[0].since_draft = 62
+    assert planner.plan(rows) == [PLAIN] * 3
+
+
+def test_evidence_decides_per_generation_from_a_long_run_prior():
+    """Each generation starts from what the drafter did so far; within it, the last
+    cycles' evidence moves the estimate, and old evidence fades back to the prior."""
+    cost = cpu_like()
+    planner, row = Planner(cost, 16, prior=0.5), Row()
+    planner.start(row)
+    for i in range(300):  # a long history of a drafter right 70% of the time at position 1
+        run(planner, row, Plan(2, "dflash"), 1 if i % 10 < 7 else 0)
+    fresh = Row()
+    planner.start(fresh)
+    assert best(planner, fresh) == PLAIN  # no plain step for 300 steps: it is timed again first
+    run(planner, fresh, PLAIN, 0)
+    assert planner.estimate(fresh, "dflash").rates()[0] == pytest.approx(0.7, abs=0.03)
+    assert best(planner, fresh).source == "dflash"
+    for _ in range(8):  # this prompt: every draft rejected
+        run(planner, fresh, Plan(2, "dflash"), 0)
+    assert best(planner, fresh, since_draft=0) == PLAIN
+    for _ in range(200):  # plain cycles: the evidence fades, the prior says try again
+        run(planner, fresh, PLAIN, 0)
+    assert best(planner, fresh, since_draft=0).source == "dflash"
+
+
+def test_prompt_lookup_is_chosen_when_it_pays():
+    cost = cpu_like()
+    planner, row = planner_with([0.05] * 16, cost)  # a drafter that never pays
+    plan = best(planner, row, lookup=Match((7, 8, 9), 3))  # prior 0.5, no drafter pass
+    assert plan.source == "lookup" and plan.tokens == (7, 8, 9)[: plan.width - 1] and plan.match == 3
+    planner.estimate(row, "lookup3").trials = [1e6] * 16
+    planner.estimate(row, "lookup3").hits = [0.01e6] * 16
+    assert best(planner, row) == PLAIN  # this text does not repeat what came before
+    assert best(planner, row, lookup=Match((7, 8, 9), 4)).source == "lookup"  # longer matches keep their own record
+    fluent, row = planner_with([0.99] * 16, cost, kind="lookup2")
+    assert best(fluent, row, lookup=Match(tuple(range(30)), 2)) == Plan(16, "lookup", tuple(range(15)), 2)
+    assert best(fluent, row, left=5).width == 5
+
+
+def test_measured_step_times_correct_the_cost_model():
+    """A drafting step that really takes 1.5x what the curve says (a sync, rollback, a broken
+    pipeline) stops paying; plain steps slower than modelled make drafting look better."""
+    planner, row = planner_with([0.45] * 16, cpu_like())
+    assert best(planner, row).width > 1
+    for width in range(2, 17):
+        for _ in range(7):
+            run(planner, row, Plan(width, "dflash"), 1, factor=1.5)
+    assert planner.step_times.ratio(1, 4) == pytest.approx(1.5)
+    assert best(planner, row) == PLAIN
+    planner, row = planner_with([0.15] * 16, cpu_like())
+    assert best(planner, row) == PLAIN
+    for _ in range(7):
+        run(planner, row, PLAIN, 0, factor=1.3)
+    assert best(planner, row).width > 1
+
+
+def test_a_stall_moves_a_shape_only_when_it_lasts():
+    """Step times are the lower median of a shape's last 7 steps: one step stalled 100x (a GC
+    pause, swapping, a benchmark beside it) changes nothing; a lasting slowdown does."""
+    planner, row = planner_with([0.6] * 16, cpu_like())
+    plan = best(planner, row)
+    assert plan.source == "dflash"
+    for factor in (1.0, 1.0, 100.0, 1.0):
+        run(planner, row, plan, 2, factor)
+    assert best(planner, row) == plan
+    for _ in range(7):
+        run(planner, row, plan, 2, factor=8.0)
+    assert best(planner, row).width < plan.width
+
+
+def test_sampling_cost_counts_every_verified_and_drafted_position():
+    """Top-p sorts the vocabulary once per position (2L-1 positions per cycle of width L):
+    a width that pays when greedy may not when sampling."""
+    cost = cpu_like()
+    cost.filtered_row, cost.sample_row = 0.02, 0.001
+    top_p, temp_only = SamplingParams(temp=0.7, top_p=0.95), SamplingParams(temp=0.7)
+    assert cost.cycle(4, top_p) == pytest.approx(cost.cycle(4) + 7 * 0.02)
+    assert cost.cycle(1, temp_only) == pytest.approx(cost.cycle(1) + 0.001)
+    assert cost.cycle(8, SamplingParams()) == cost.cycle(8)
+    planner, row = planner_with([0.5] * 16, cost)
+    assert best(planner, row).width > 1 and best(planner, row, params=top_p) == PLAIN
+
+
+def test_acceptance_estimate_learns_conditional_rates():
+    true = [0.9, 0.8, 0.5, 0.3] + [0.2] * 4
+    estimate = AcceptanceEstimate(8, decay=0.999)
+    rng = random.Random(1)
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 7 and rng.random() < true[accepted]:
+            accepted += 1
+        estimate.age()
+        estimate.observe(8, accepted)
+    for got, want in zip(estimate.rates()[:4], true[:4]):
+        assert got == pytest.approx(want, abs=0.05)
+
+
+def test_adaptive_decoding_is_lossless_and_adapts():
+    target = tiny_target("llama", seed=5)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=60)]
+    cost = cpu_like(base=0.01, draft=0.0012)
+    for drafter, wide in [
+        (random_draft(target, block_size=16), False),
+        (oracle_draft(target, prompt + reference + [0] * 16, block_size=16), True),
+    ]:
+        clock = Clock(cost)
+        model = DFlashModel(Timed(target, clock), drafter, planner=Planner(cost, 16))
+        decoder = Decoder(model, max_batch=1, clock=clock)
+        request = Request(prompt, 40)
+        decoder.add(request)
+        out = []
+        while decoder.busy:
+            out += [t for step in decoder.step().steps.values() for t in step.tokens]
+        assert out == reference[:40]
+        if wide:
+            assert max(request.stats.widths) >= 8 and request.stats.tau > 4
+        else:
+            assert request.stats.plain_cycles > len(request.stats.widths) // 2
+
+
+def test_decode_without_a_planner_is_lossless_at_every_fixed_width():
+    target = tiny_target("llama", seed=5)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=30)]
+    drafter = oracle_draft(target, prompt + reference + [0] * 16, block_size=8)
+    for block in (1, 3, 8):
+        stats = DecodeStats()
+        out = [
+            t
+            for s in decode(DFlashModel(target, drafter), mx.array(prompt), SamplingParams(), 30, block, stats)
+            for t in s.tokens
+        ]
+        assert out == reference[:30] and max(stats.widths) == block
+
+
+def test_measure_costs_gives_a_rising_curve():
+    target = tiny_target("qwen3", seed=1, num_hidden_layers=2)
+    cost = measure_costs(target, random_draft(target, layer_ids=(0, 1), block_size=16), context=32, repeats=2)
+    assert cost.widths[0] == 1 and cost.widths[-1] == 16
+    assert all(s > 0 for s in cost.seconds) and cost.draft_per_token >= 0
+    assert cost.seconds == sorted(cost.seconds)
+    assert cost.cycle(2) > cost.verify(2) and cost.cycle(16) - cost.verify(16) >= (cost.cycle(2) - cost.verify(2)) * (
+        1 - 1e-9
+    )
+    assert cost.filtered_row > 0 and cost.sample_row > 0
+
+
+def test_drafter_cost_grows_with_the_block():
+    """A short draft is cheaper than a full one: charging every width the full block's
+    drafter cost would hide the narrow widths that pay."""
+    per_token = CostModel([1, 16], [1.0, 1.0], draft_seconds=0.05, draft_per_token=0.1)
+    flat = CostModel([1, 16], [1.0, 1.0], draft_seconds=0.05 + 0.1 * 15)
+    assert best(Planner(per_token, 16, prior=0.5), Row()).width in (2, 3, 4)  # 3: 1.75 tokens / 1.25 s
+    assert best(Planner(flat, 16, prior=0.5), Row()) == PLAIN
+
+
+def test_monotone_fit_removes_noise_spikes():
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # a noisy dip at width 12 (measured under load) is pooled with its neighbours, not believed
+    fitted = monotone([0.108, 0.102, 0.172, 0.245, 0.300, 0.245, 0.170, 0.267])
+    assert fitted == sorted(fitted)
+    assert fitted[0] == fitted[1] == (0.108 + 0.102) / 2
+
+
+def test_step_times_start_from_the_curve():
+    assert StepTimes().ratio(1, 4) == 1.0
