@@ -150,7 +150,10 @@ class Decoder:
         return request.uid
 
     def remove(self, *uids: int) -> None:
-        """Drop requests (finished, stopped or cancelled); their rows are freed before the next step."""
+        """Drop requests (finished, stopped or cancelled); their rows are freed before the next step,
+        and what they decoded is kept in the prompt cache (a chat's next turn starts from it)."""
+        if self.prompt_cache is not None:
+            self._keep_answers([i for i, row in enumerate(self.rows) if row.uid in uids])
         self.waiting = [row for row in self.waiting if row.uid not in uids]
         self.filling, self.fill_cache = self._without(self.filling, self.fill_cache, uids)
         self.rows, self.cache = self._without(self.rows, self.cache, uids)
@@ -173,6 +176,20 @@ class Decoder:
             self._join()
         self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
         return BatchStep(size, width, steps)
+
+    def _keep_answers(self, leaving: list[int]) -> None:
+        """The state of each leaving row after its prompt and answer, into the prompt cache.  The
+        caches hold every token fed: all committed but the last, and the last too when a queued
+        pass fed it (its features then go to the drafter's context first, to stay aligned)."""
+        for i in leaving:
+            row = self.rows[i]
+            fed = row.prompt + row.output[:-1]
+            if self._queued is not None and row.uid in self._queued.uids:
+                j = self._queued.uids.index(row.uid)
+                row.context.add(None if self._queued.features is None else self._queued.features[j : j + 1, :1])
+                fed = row.prompt + row.output
+            if row.output:
+                self.prompt_cache.store(fed, self.cache.extract(i), row.context.flush())
 
     # ------------------------------------------------------------ joining
 
@@ -414,7 +431,10 @@ def decode_alone(
     """`request`'s Steps, decoded alone (timed by `clock`, time.perf_counter by default)."""
     decoder = Decoder(model, prompt_cache, max_batch=1, clock=clock)
     uid = decoder.add(request)
-    while decoder.busy:
-        step = decoder.step().steps.get(uid)
-        if step is not None:
-            yield step
+    try:
+        while decoder.busy:
+            step = decoder.step().steps.get(uid)
+            if step is not None:
+                yield step
+    finally:
+        decoder.remove(uid)  # closed early (EOS, a stop string): its state is kept all the same

@@ -64,7 +64,7 @@ class Request:
     since_draft: int = 0
     unfilled: list[int] = field(default_factory=list)  # prompt tokens still to prefill (all but the last)
     token: int = -1  # the last committed token (the prompt's last, until its first step)
-    produced: int = 0
+    output: list[int] = field(default_factory=list)  # every committed token
 
     def begin(self, model: DFlashModel) -> None:
         """Ready to decode with `model`: its drafter context, noise, lookup and grammar state."""
@@ -79,6 +79,10 @@ class Request:
         self.token = self.prompt[-1]
         if model.planner is not None:
             model.planner.start(self)
+
+    @property
+    def produced(self) -> int:
+        return len(self.output)
 
     @property
     def left(self) -> int:
@@ -108,7 +112,8 @@ class Request:
             self.constraint.commit(committed)
         if self.lookup is not None:
             self.lookup.extend(committed)
-        self.token, self.produced = committed[-1], self.produced + len(committed)
+        self.token = committed[-1]
+        self.output += committed
         self.stats.accepted_lengths.append(len(committed))
         self.stats.widths.append(plan.width)
         self.stats.sources.append(plan.source)

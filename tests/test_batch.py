@@ -226,6 +226,7 @@ def test_prefixes_are_reused_by_requests_filling_together(model_type, overrides)
     batch stored: every output as cold."""
     target = tiny_target(model_type, seed=2, **overrides)
     model = DFlashModel(target, random_draft(target, block_size=4))
+    kv_only = model_type == "llama" and not overrides
     system = list(range(30, 70))
     first, second = [system + [5, 6, 7], system + [1, 2]], [system + [5, 6, 7, 8, 9], system + [1, 2], [3, 4, 5, 6]]
     cache = PromptCache()
@@ -236,14 +237,15 @@ def test_prefixes_are_reused_by_requests_filling_together(model_type, overrides)
         out = run(decoder)
         for uid, prompt in zip(uids, wave):
             assert out[uid] == [t for s in decode(model, mx.array(prompt), SamplingParams(), 16) for t in s.tokens]
-        assert [s.cached_tokens for s in stats] == hits
+        # cuttable caches may reuse an earlier answer's state one token further than its prompt's
+        assert all(h <= s.cached_tokens <= h + (1 if h and kv_only else 0) for s, h in zip(stats, hits))
     alone = DecodeStats()
     warm = [
         t
         for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16, stats=alone, prompt_cache=cache)
         for t in s.tokens
     ]
-    assert alone.cached_tokens == len(second[0]) - 1
+    assert alone.cached_tokens in (len(second[0]) - 1, len(second[0]) if kv_only else -1)
     assert warm == [t for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16) for t in s.tokens]
 
 
@@ -543,3 +545,24 @@ def test_memory_returns_to_its_baseline_after_a_load(monkeypatch):
     assert not decoder.busy and decoder.cache is None and decoder.fill_cache is None
     mx.clear_cache()
     assert mx.get_active_memory() <= baseline + 64 * 1024
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5", "gpt_oss"])
+def test_answers_decoded_together_serve_their_next_turns(model_type):
+    """Two sessions decoded in one batch: the state after each answer is kept when its row
+    leaves, and each next turn (prompt + answer + a message) prefills only what is new, exactly."""
+    target = tiny_target(model_type, seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    cache = PromptCache()
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    for turn in range(2):
+        decoder = Decoder(model, prompt_cache=cache, max_batch=4)
+        requests = [Request(list(p), 12 + 4 * i) for i, p in enumerate(prompts)]
+        uids = [decoder.add(r) for r in requests]
+        out = run(decoder)
+        for uid, prompt, request in zip(uids, prompts, requests):
+            alone = [t for s in decode(model, mx.array(prompt), SamplingParams(), request.max_tokens) for t in s.tokens]
+            assert out[uid] == alone
+            if turn:
+                assert request.stats.cached_tokens >= len(prompt) - 4, (model_type, request.stats.cached_tokens)
+        prompts = [p + out[uid] + [7, 8, 9] for p, uid in zip(prompts, uids)]

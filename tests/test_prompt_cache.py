@@ -49,7 +49,8 @@ def test_cached_prompts_decode_exactly_as_cold(model_type, overrides):
         warm, cached = run(model, prompt, cache)
         assert warm == cold
         reused.append(cached)
-    assert reused[0] == 0 and reused[1] == len(turns[0]) - 1 and reused[2] == len(turns[2]) - 1
+    # turn 2 extends turn 1's prompt (and cuttable caches reuse its answer's state as far as they agree)
+    assert reused[0] == 0 and reused[1] in (len(turns[0]) - 1, len(turns[0])) and reused[2] == len(turns[2]) - 1
     kv_only = model_type != "qwen3_5" and not overrides
     # a shorter shared prefix needs caches that can be cut back (plain KV)
     assert (reused[3] == len(SYSTEM)) == kv_only and (reused[4] == 19) == kv_only
@@ -66,5 +67,51 @@ def test_the_cache_stays_within_its_bytes():
     cache = PromptCache(max_bytes=int(one * 2.5))
     for k in range(5):
         run(model, [k] + SYSTEM, cache)
-    assert 0 < cache.nbytes <= cache.max_bytes and len(cache.entries) == 2
-    assert [key[0] for key in cache.entries] == [3, 4]  # least recently used went first
+    # each run keeps its prompt's state and its answer's; the least recently used went first
+    kept = {key[0] for key in cache.entries}
+    assert 0 < cache.nbytes <= cache.max_bytes and {3, 4} <= kept and not kept & {0, 1}
+
+
+SESSION_FAMILIES = [
+    ("llama", {}),
+    ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    ("qwen3", {}),
+    ("qwen3_moe", {}),
+    ("qwen3_5", {}),
+    ("qwen3_next", {}),
+    ("gpt_oss", {}),
+    ("gemma4_text", {}),
+    ("deepseek_v3", {}),
+]
+
+
+@pytest.mark.parametrize("model_type, overrides", SESSION_FAMILIES)
+@pytest.mark.parametrize("drafter", [True, False])
+def test_the_state_after_an_answer_serves_the_next_turn(model_type, overrides, drafter):
+    """A session: each turn's prompt is the last one + its answer + a new message.  The state
+    after each answer is kept, so a turn prefills only what is new (GatedDeltaNet states and
+    sliding windows included: the entry is a whole prefix), and decodes exactly as cold.  Plain
+    decoding too (its passes are pipelined: the last token may already be fed)."""
+    target = tiny_target(model_type, seed=2, **overrides)
+    model = DFlashModel(target, random_draft(target, block_size=4) if drafter else None)
+    cache = PromptCache()
+    prompt, answered = SYSTEM + [5, 6, 7], 0  # answered: tokens of the last prompt + answer
+    for turn in range(3):
+        answer, cached = run(model, prompt, cache)
+        assert answer == run(model, prompt)[0], (model_type, turn)
+        assert cached >= answered - 1, (model_type, turn, cached, answered)
+        answered = len(prompt) + len(answer)
+        prompt = prompt + answer + [11 + turn, 12, 13]
+
+
+def test_an_answer_closed_early_is_kept_too():
+    """stream_generate closes the decode at EOS or a stop string: the state up to there is kept."""
+    target = tiny_target("qwen3_5", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    cache = PromptCache()
+    steps = decode(model, mx.array(SYSTEM), SamplingParams(), 24, prompt_cache=cache)
+    said = [t for _, step in zip(range(3), steps) for t in step.tokens]
+    steps.close()
+    answer, cached = run(model, SYSTEM + said + [1, 2], cache)
+    assert cached >= len(SYSTEM) + len(said) - 1
+    assert answer == run(model, SYSTEM + said + [1, 2])[0]
