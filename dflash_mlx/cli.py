@@ -211,6 +211,27 @@ def serve(
     prompt_cache_bytes: int = typer.Option(
         1 << 30, "--prompt-cache-bytes", help="Memory for reusable prompt prefixes (0: off)."
     ),
+    prompt_cache_dir: Optional[str] = typer.Option(
+        None,
+        "--prompt-cache-dir",
+        help="A folder that keeps reusable prefixes across restarts (what memory evicts, and all at shutdown).",
+    ),
+    prompt_cache_disk_bytes: int = typer.Option(
+        8 << 30, "--prompt-cache-disk-bytes", help="Bytes the --prompt-cache-dir folder may hold."
+    ),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        envvar="DFLASH_MLX_API_KEY",
+        show_envvar=True,
+        help="Require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but /health.",
+    ),
+    allow_host: list[str] = typer.Option(
+        [], "--allow-host", help="Also answer requests for this Host name (repeatable; '*': any)."
+    ),
+    cors_origin: list[str] = typer.Option(
+        [], "--cors-origin", help="Let web pages from this origin call the server (repeatable)."
+    ),
     distributed: Optional[str] = DISTRIBUTED,
     split: Optional[str] = SPLIT,
     timeout: float = TIMEOUT,
@@ -218,6 +239,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
     try:
         from .serve import make_app, run
+        from .serve.guard import host_name, is_loopback
     except ImportError as e:
         fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
     if quant not in (None, 4, 8):
@@ -233,6 +255,16 @@ def serve(
 
     if prompt_cache_bytes < 0:
         fail(f"--prompt-cache-bytes must be >= 0, got {prompt_cache_bytes}")
+    if api_key is not None and not api_key.strip():
+        fail("--api-key is empty; give a key, or leave the option out")
+    if prompt_cache_disk_bytes < 1:
+        fail(f"--prompt-cache-disk-bytes must be >= 1, got {prompt_cache_disk_bytes}")
+    if prompt_cache_dir is not None:
+        from .io.storage import writable
+
+        if not prompt_cache_bytes:
+            fail("--prompt-cache-dir needs the prompt cache: drop --prompt-cache-bytes 0")
+        writable(Path(prompt_cache_dir), "prompt cache")
     pipeline = pipeline_options(distributed, split, timeout)
     pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive, **pipeline)
     if distributed is not None:
@@ -250,7 +282,24 @@ def serve(
             )
             prompt_cache_bytes = 0
     name = model or "SmolLM2-135M-Instruct"
-    server = make_app(pair, tokenizer, name, max_queue, prompt_cache_bytes, max_batch, max_batch_tokens)
+    server = make_app(
+        pair,
+        tokenizer,
+        name,
+        max_queue,
+        prompt_cache_bytes,
+        max_batch,
+        max_batch_tokens,
+        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_disk_bytes=prompt_cache_disk_bytes,
+        access=dict(bind_host=host, allow_hosts=tuple(allow_host), cors_origins=tuple(cors_origin), api_key=api_key),
+    )
+    if api_key is None and not is_loopback(host_name(host)):
+        typer.secho(
+            f"warning: serving beyond this machine ({host}) with no --api-key: anyone who can reach it can use it",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
     if server.batch_refusal:
         typer.secho(
             f"note: requests are decoded one at a time ({server.batch_refusal})", err=True, fg=typer.colors.YELLOW

@@ -21,6 +21,7 @@ class DFlashModel:
     draft: Optional[DFlashDraftModel] = None
     draft_note: str = ""  # why there is no drafter, when there is none
     planner: Optional["Planner"] = None  # adaptive verify widths, kept across generations
+    fingerprint: str = ""  # names the weights (a saved cache state is only valid for them)
 
     @property
     def feature_layers(self) -> list[int]:

@@ -20,7 +20,11 @@ estimate of that kind over everything decoded so far, and follows the evidence o
 cycles (every cycle ages it, so it drifts back to the prior when a kind has not been tried
 lately).  A drafter the prior says never pays is still tried, at width 2, after
 `first_probe` steps of each generation and then once every `explore_every` steps without
-it (rows due together probe together): a prompt can be easier than the average.  And a
+it (rows due together probe together): a prompt can be easier than the average.  A prompt
+lookup's proposal is never wider than copies of its kind have earned in this generation
+(`copy_widths`): 4 at first, doubled after a copy accepted whole, cut to just past the accepted
+run otherwise, so a run of wrong copies (a prompt that reformats rather than copies) costs
+2-token verifies within a cycle, and a faithful copy reaches full width in two.  And a
 plain step of a batch size not run for `explore_every` steps is run again, so the figure
 it is judged by stays current.
 """
@@ -31,6 +35,8 @@ from typing import Optional, Protocol
 from .costs import CostModel, StepTimes
 from .lookup import NO_MATCH, Match
 from .sampling import SamplingParams
+
+FIRST_COPY_WIDTH = 4  # a lookup kind's first proposal in a generation: at most 3 copied tokens
 
 
 @dataclass
@@ -116,6 +122,7 @@ class Row(Protocol):
     params: SamplingParams
     estimates: dict  # kind -> AcceptanceEstimate, this generation's
     since_draft: int  # steps since it last drafted
+    copy_widths: dict  # lookup kind -> the widest verify its next proposal may have
 
     def match(self, limit: int) -> Match: ...
 
@@ -138,7 +145,7 @@ class Planner:
     def start(self, row: Row) -> None:
         """A new generation: fresh estimates, and an early first probe of the drafter
         (prompts differ more than the long run says)."""
-        row.estimates = {}
+        row.estimates, row.copy_widths = {}, {}
         row.since_draft = max(0, self.explore_every - self.first_probe)
 
     def estimate(self, row: Row, kind: str) -> AcceptanceEstimate:
@@ -199,7 +206,7 @@ class Planner:
             return PLAIN
         candidates = [Plan(limit, "dflash")] if drafter else []
         if match:
-            longest = min(len(match.tokens) + 1, limit)
+            longest = min(len(match.tokens) + 1, limit, row.copy_widths.get(f"lookup{match.length}", FIRST_COPY_WIDTH))
             candidates.append(Plan(longest, "lookup", match.tokens[: longest - 1], match.length))
         return max(candidates, key=lambda plan: expected(row, plan), default=PLAIN)
 
@@ -251,6 +258,11 @@ class Planner:
                 continue
             for estimate in row.estimates.values():
                 estimate.age()
+            if plan.source == "lookup":
+                # a copy's width follows what copies of its kind just did: doubled after a full
+                # acceptance, cut to just past the accepted run otherwise (a wrong copy -> 2)
+                full = n == plan.width - 1
+                row.copy_widths[plan.kind] = min(self.max_width, 2 * plan.width) if full else n + 2
             if plan.width > 1:
                 self.estimate(row, plan.kind).observe(plan.width, n)
                 long_run = self._long_run(plan.kind)

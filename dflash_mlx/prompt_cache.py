@@ -1,31 +1,51 @@
-"""Reuse of the work done for earlier prompts (a chat's next turn, a shared system
-prompt): snapshots of the target caches and the drafter's injected context,
-taken after prefilling all of a prompt but its last token, in an LRU bounded in bytes.
+"""Reuse of the work done for earlier prompts and answers (a chat's next turn, a shared system
+prompt, an agent's many requests): snapshots of the target caches and the drafter's injected
+context, looked up by a token trie (mlx-lm's PromptTrie), in an LRU bounded in bytes, and
+optionally in a folder on disk that survives a restart.
 
-A new prompt restores the snapshot sharing its longest prefix and prefills only
-the rest.  A snapshot is used whole when the new prompt extends its tokens (any
-cache kind, GatedDeltaNet states included); cut back to a shorter shared prefix
-only when every cache can be cut (plain KV caches, and a drafter context that
-has not dropped entries from a window).  The last prompt token is always
-prefilled, so the first generated token comes from a fresh pass.
+Snapshots are taken after prefilling all of a prompt but its last token, and when a request
+leaves (its prompt + answer, engine.py).  A new prompt restores the snapshot sharing its
+longest prefix and prefills only the rest.  A snapshot is used whole when the new prompt
+extends its tokens (any cache kind, GatedDeltaNet states included); cut back to a shorter
+shared prefix only when every cache can be cut (plain KV caches, and a drafter context that
+has not dropped entries from a window).  The last prompt token is always prefilled, so the
+first generated token comes from a fresh pass.
+
+The disk tier (`folder`) holds the entries the RAM tier evicts, and every entry at `flush()`
+(a server's shutdown), as mlx-lm's prompt-cache safetensors files named by a hash of the model
+fingerprint and the tokens, bounded in bytes (least recently used first out).  Files are
+written to a temporary name and renamed, so two processes sharing the folder never read half
+a file; one from another model, or unreadable, is passed over with one line.
 """
 
 import copy
+import hashlib
+import json
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, PromptTrie, load_prompt_cache, save_prompt_cache
 
+from .drafters.dflash import ContextKV
+from .io.progress import console
 from .rollback import TrimmableKV
+from .target import TargetCache
+
+MODEL = "target"  # the trie's one model: a PromptCache serves one model pair
 
 
 @dataclass
 class Snapshot:
     tokens: tuple[int, ...]
-    target: object  # TargetCache
-    context: list  # the drafter's ContextKV per layer (None without a drafter)
+    target: TargetCache
+    context: Optional[list]  # the drafter's ContextKV per layer (None without a drafter)
     nbytes: int
+    on_disk: bool = False
 
 
 def _nbytes(*trees) -> int:
@@ -37,9 +57,17 @@ def _states(target, context) -> list:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int = 1 << 30):
+    def __init__(
+        self,
+        max_bytes: int = 1 << 30,
+        folder: Optional[Path] = None,
+        disk_bytes: int = 8 << 30,
+        fingerprint: str = "",
+    ):
         self.max_bytes = max_bytes
-        self.entries: "OrderedDict[tuple[int, ...], Snapshot]" = OrderedDict()
+        self.entries: "OrderedDict[tuple[int, ...], Snapshot]" = OrderedDict()  # least recently used first
+        self.trie = PromptTrie()
+        self.disk = DiskTier(Path(folder), disk_bytes, fingerprint) if folder is not None else None
         self.hits = 0
         self.reused_tokens = 0
 
@@ -49,22 +77,40 @@ class PromptCache:
 
     def fetch(self, prompt: list[int]):
         """(target cache, drafter context, tokens covered) restored for `prompt`, or None."""
-        usable = len(prompt) - 1  # the last token is always prefilled
-        best, best_len = None, 0
-        for key, entry in self.entries.items():
-            shared = _common_prefix(key, prompt, usable)
-            if shared == len(key) or (shared > 0 and _cuttable(entry)):
-                if shared > best_len:
-                    best, best_len = entry, shared
-        if best is None:
+        usable = list(prompt[: len(prompt) - 1])  # the last token is always prefilled
+        found = self._nearest(usable)
+        if self.disk is not None:
+            stored = self.disk.nearest(usable)
+            if stored is not None and stored[1] > (found[1] if found else 0):
+                tokens, shared = stored
+                entry = self.disk.read(tokens)
+                if entry is not None:
+                    self._insert(entry)
+                    found = (entry, shared)
+        if found is None:
             return None
+        best, shared = found
         self.entries.move_to_end(best.tokens)
         target, context = copy.deepcopy(best.target), copy.deepcopy(best.context)
-        if best_len < len(best.tokens):
-            _cut(target, context, len(best.tokens) - best_len)
+        if shared < len(best.tokens):
+            _cut(target, context, len(best.tokens) - shared)
         self.hits += 1
-        self.reused_tokens += best_len
-        return target, context, best_len
+        self.reused_tokens += shared
+        return target, context, shared
+
+    def _nearest(self, usable: list[int]) -> Optional[tuple[Snapshot, int]]:
+        """The RAM entry sharing the longest usable prefix with `usable`, and that length."""
+        if not usable or not self.entries:
+            return None
+        result = self.trie.search(MODEL, usable)
+        if result.exact is not None:
+            return self.entries[tuple(result.exact)], len(usable)
+        shorter = self.entries[tuple(result.shorter)] if result.shorter else None
+        if result.longer is not None and result.common_prefix > len(result.shorter or ()):
+            longer = self.entries[tuple(result.longer)]
+            if _cuttable(longer):
+                return longer, result.common_prefix
+        return (shorter, len(shorter.tokens)) if shorter is not None else None
 
     def store(self, tokens: list[int], target, context) -> None:
         key = tuple(tokens)
@@ -72,19 +118,24 @@ class PromptCache:
             return
         mx.eval(_states(target, context))
         entry = Snapshot(key, copy.deepcopy(target), copy.deepcopy(context), _nbytes(_states(target, context)))
-        if entry.nbytes > self.max_bytes:
-            return
-        self.entries[key] = entry
+        if entry.nbytes <= self.max_bytes:
+            self._insert(entry)
+
+    def _insert(self, entry: Snapshot) -> None:
+        self.entries[entry.tokens] = entry
+        self.trie.add(MODEL, list(entry.tokens), entry)
         while self.nbytes > self.max_bytes:
-            self.entries.popitem(last=False)
+            _, evicted = self.entries.popitem(last=False)
+            self.trie.pop(MODEL, list(evicted.tokens))
+            if self.disk is not None and not evicted.on_disk:
+                self.disk.write(evicted)  # the RAM tier spills to the disk tier
 
-
-def _common_prefix(a, b, limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    def flush(self) -> None:
+        """Every RAM entry not yet on disk written there (a server's shutdown)."""
+        if self.disk is not None:
+            for entry in self.entries.values():
+                if not entry.on_disk:
+                    self.disk.write(entry)
 
 
 def _cuttable(entry: Snapshot) -> bool:
@@ -98,3 +149,124 @@ def _cut(target, context, drop: int) -> None:
         h.cache.trim(drop)
     for c in context or []:
         c.trim(drop)
+
+
+class DiskTier:
+    """Snapshots as safetensors files in `folder` (mlx-lm's prompt-cache format: the target's
+    layer caches, then the drafter's context as KV caches), bounded to `max_bytes`."""
+
+    def __init__(self, folder: Path, max_bytes: int, fingerprint: str):
+        self.folder, self.max_bytes, self.fingerprint = folder, max_bytes, fingerprint
+        folder.mkdir(parents=True, exist_ok=True)
+        self.index: dict[tuple[int, ...], Path] = {}
+        self.trie = PromptTrie()
+        passed_over = []
+        for path in sorted(folder.glob("*.safetensors")):
+            meta = self._metadata(path)
+            if meta is None:
+                passed_over.append(path.name)
+            else:
+                self._add(tuple(json.loads(meta["tokens"])), path)
+        if passed_over:
+            console.print(
+                f"note: {len(passed_over)} file(s) in the prompt cache folder {folder} are another model's or "
+                f"unreadable (e.g. {passed_over[0]}); passed over",
+                style="yellow",
+                soft_wrap=True,
+            )
+
+    def _name(self, tokens: tuple) -> Path:
+        digest = hashlib.sha256(f"{self.fingerprint}:{','.join(map(str, tokens))}".encode()).hexdigest()[:24]
+        return self.folder / f"{digest}.safetensors"
+
+    def _add(self, tokens: tuple, path: Path) -> None:
+        self.index[tokens] = path
+        self.trie.add(MODEL, list(tokens), path)
+
+    def _metadata(self, path: Path) -> Optional[dict]:
+        """The file's metadata when it is one of this model's entries (another model's may share
+        the folder: not ours to read or remove); None otherwise."""
+        try:
+            _, flat = mx.load(str(path), return_metadata=True)
+            meta = {key[2:]: value for key, value in flat.items() if key.startswith("0.")}  # mlx-lm's layout
+            json.loads(meta["tokens"])
+        except Exception:  # truncated, not safetensors at all, not an entry
+            return None
+        return meta if meta.get("fingerprint") == self.fingerprint else None
+
+    def nearest(self, usable: list[int]) -> Optional[tuple[tuple, int]]:
+        """The stored tokens that are the longest prefix of `usable`, and their length (files are
+        used whole: a cut needs the whole file read first, which a RAM entry then serves)."""
+        if not usable or not self.index:
+            return None
+        result = self.trie.search(MODEL, usable)
+        found = result.exact if result.exact is not None else result.shorter
+        return (tuple(found), len(found)) if found else None
+
+    def read(self, tokens: tuple) -> Optional[Snapshot]:
+        path = self.index.get(tokens)
+        try:
+            layers, meta = load_prompt_cache(str(path), return_metadata=True)
+            if meta.get("fingerprint") != self.fingerprint or tuple(json.loads(meta["tokens"])) != tokens:
+                raise ValueError("another model's entry")
+            count = int(meta["target_layers"])
+            contexts = json.loads(meta["context"])
+            context = None
+            if contexts is not None:
+                context = []
+                for kv, (offset, window, end) in zip(layers[count:], contexts):
+                    c = ContextKV(window)
+                    c.keys, c.values, c.offset, c._end = kv.keys, kv.values, offset, end
+                    context.append(c)
+            target = TargetCache(layers=layers[:count])
+            os.utime(path)  # recently used: the last to go
+        except Exception as e:
+            console.print(
+                f"note: the prompt cache file {path} could not be read ({type(e).__name__}); ignored",
+                style="yellow",
+                soft_wrap=True,
+            )
+            self.index.pop(tokens, None)
+            return None
+        return Snapshot(tokens, target, context, _nbytes(_states(target, context)), on_disk=True)
+
+    def write(self, entry: Snapshot) -> None:
+        path = self._name(entry.tokens)
+        contexts = None
+        kv = []
+        if entry.context is not None:
+            contexts = [[c.offset, c.window, c._end] for c in entry.context]
+            kv = [KVCache.from_state((c.keys, c.values, c._end)) for c in entry.context]
+        meta = {
+            "fingerprint": self.fingerprint,
+            "tokens": json.dumps(list(entry.tokens)),
+            "target_layers": str(len(entry.target.layers)),
+            "context": json.dumps(contexts),
+        }
+        temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
+        try:
+            save_prompt_cache(str(temporary), list(entry.target.layers) + kv, meta)
+            os.replace(temporary, path)
+        except OSError as e:
+            temporary.unlink(missing_ok=True)
+            console.print(
+                f"note: could not write a prompt cache entry to {self.folder} ({e.strerror})",
+                style="yellow",
+                soft_wrap=True,
+            )
+            return
+        entry.on_disk = True
+        self._add(entry.tokens, path)
+        self._bound()
+
+    def _bound(self) -> None:
+        files = sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        for path in files:
+            if total <= self.max_bytes:
+                break
+            total -= path.stat().st_size
+            path.unlink(missing_ok=True)
+            for tokens in [t for t, p in self.index.items() if p == path]:
+                del self.index[tokens]
+                self.trie.pop(MODEL, list(tokens))

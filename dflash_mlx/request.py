@@ -62,6 +62,7 @@ class Request:
     constraint: object = None  # the grammar's state
     estimates: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate (plan.py)
     since_draft: int = 0
+    copy_widths: dict = field(default_factory=dict)  # lookup kind -> widest next proposal (plan.py)
     unfilled: list[int] = field(default_factory=list)  # prompt tokens still to prefill (all but the last)
     token: int = -1  # the last committed token (the prompt's last, until its first step)
     output: list[int] = field(default_factory=list)  # every committed token

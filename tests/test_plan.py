@@ -30,6 +30,7 @@ class Row:
     params: SamplingParams = SamplingParams()
     estimates: dict = field(default_factory=dict)
     since_draft: int = 0
+    copy_widths: dict = field(default_factory=dict)
 
     def match(self, limit: int) -> Match:
         return Match(self.lookup.tokens[:limit], self.lookup.length) if self.lookup else NO_MATCH
@@ -157,8 +158,24 @@ def test_prompt_lookup_is_chosen_when_it_pays():
     assert best(planner, row) == PLAIN  # this text does not repeat what came before
     assert best(planner, row, lookup=Match((7, 8, 9), 4)).source == "lookup"  # longer matches keep their own record
     fluent, row = planner_with([0.99] * 16, cost, kind="lookup2")
-    assert best(fluent, row, lookup=Match(tuple(range(30)), 2)) == Plan(16, "lookup", tuple(range(15)), 2)
+    assert best(fluent, row, lookup=Match(tuple(range(30)), 2)) == Plan(4, "lookup", tuple(range(3)), 2)
+    row.copy_widths["lookup2"] = 16  # copies of this kind accepted whole so far
+    assert best(fluent, row) == Plan(16, "lookup", tuple(range(15)), 2)
     assert best(fluent, row, left=5).width == 5
+
+
+def test_a_copy_widens_as_it_is_accepted_and_narrows_at_once_when_wrong():
+    """A lookup kind's proposals start at width 4, double with each copy accepted whole, and drop
+    to just past the accepted run when a copy goes wrong: a wrong copy is paid at width 2."""
+    planner, row = planner_with([0.99] * 16, cpu_like(), kind="lookup3")
+    row.lookup = Match(tuple(range(40)), 3)
+    widths = []
+    for accepted_whole in (True, True, True, False, False, True):
+        plan = best(planner, row)
+        widths.append(plan.width)
+        run(planner, row, plan, plan.width - 1 if accepted_whole else 0)
+    assert widths == [4, 8, 16, 16, 2, 2]
+    assert best(planner, row).width == 4
 
 
 def test_measured_step_times_correct_the_cost_model():

@@ -115,3 +115,50 @@ def test_an_answer_closed_early_is_kept_too():
     answer, cached = run(model, SYSTEM + said + [1, 2], cache)
     assert cached >= len(SYSTEM) + len(said) - 1
     assert answer == run(model, SYSTEM + said + [1, 2])[0]
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("llama", {}),
+        ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+        ("qwen3_5", {}),
+        ("gpt_oss", {}),
+    ],
+)
+def test_entries_on_disk_survive_a_restart_and_restore_exactly(model_type, overrides, tmp_path):
+    """A session's state written to the folder (at shutdown, flush) is read by a new process's
+    cache (a new PromptCache on the same folder): the next turn prefills only what is new."""
+    target = tiny_target(model_type, seed=2, **overrides)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    first = PromptCache(folder=tmp_path, fingerprint="pair-a")
+    answer, _ = run(model, SYSTEM, first)
+    first.flush()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2  # the prompt's state and the answer's
+    restarted = PromptCache(folder=tmp_path, fingerprint="pair-a")
+    follow_up = SYSTEM + answer + [3, 4]
+    warm, cached = run(model, follow_up, restarted)
+    assert cached == len(SYSTEM) + len(answer) - 1
+    assert warm == run(model, follow_up)[0]
+    # another model's cache in the same folder is passed over, not read
+    assert run(model, follow_up, PromptCache(folder=tmp_path, fingerprint="pair-b"))[1] == 0
+
+
+def test_the_ram_tier_spills_to_a_bounded_folder(tmp_path, capsys):
+    target = tiny_target("qwen3", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    probe = PromptCache()
+    run(model, SYSTEM, probe)
+    entry = max(e.nbytes for e in probe.entries.values())
+    cache = PromptCache(max_bytes=entry, folder=tmp_path, disk_bytes=6 * entry, fingerprint="pair")
+    for k in range(5):
+        run(model, [k] + SYSTEM, cache)
+    files = list(tmp_path.glob("*.safetensors"))
+    assert len(cache.entries) == 1 and files  # evicted from RAM, kept on disk
+    assert sum(f.stat().st_size for f in files) <= 6 * entry * 1.1  # bounded (+ file headers)
+    warm, cached = run(model, [4] + SYSTEM + [9], cache)
+    assert cached >= len(SYSTEM) and warm == run(model, [4] + SYSTEM + [9])[0]
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    PromptCache(folder=tmp_path, fingerprint="pair")
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "broken.safetensors" in said[0] and "passed over" in said[0]

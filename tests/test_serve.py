@@ -19,6 +19,7 @@ from dflash_mlx.serve import make_app, serve_in_background  # noqa: E402
 pytestmark = pytest.mark.slow  # live servers
 
 MODEL = "tiny"
+LOCAL = "http://127.0.0.1:8080"  # TestClient's default Host (testserver) is refused, as any foreign name is
 
 
 def free_port() -> int:
@@ -142,7 +143,7 @@ def test_an_oversized_body_is_refused_from_its_header(served):
     client, _, _, port, _ = served
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100000000\r\n\r\n{"
         )
         reply = ""
@@ -244,6 +245,30 @@ def test_a_follow_up_turn_reuses_the_prefix_and_stays_exact(served):
     text = tokenizer.apply_chat_template(follow, tokenize=False, add_generation_prompt=True)
     offline = generate(model, tokenizer, tokenizer.encode(text, add_special_tokens=False), max_tokens=8)
     assert second.choices[0].message.content == offline
+
+
+def test_a_restarted_server_answers_an_old_session_from_its_cache_folder(tiny_dirs, tmp_path):
+    """With --prompt-cache-dir, what a server kept (the first turn's prompt and answer) is written
+    at shutdown and read by the next server on that folder: the old session's next turn starts
+    from it, and its answer is what a cold server gives."""
+    from starlette.testclient import TestClient
+
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
+    history = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hello there"}]
+    with TestClient(make_app(model, tokenizer, MODEL, prompt_cache_dir=str(tmp_path)).app, base_url=LOCAL) as http:
+        first = http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 8}).json()
+    assert list(tmp_path.glob("*.safetensors"))  # flushed at shutdown
+    follow = history + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and again"},
+    ]
+    with TestClient(make_app(model, tokenizer, MODEL, prompt_cache_dir=str(tmp_path)).app, base_url=LOCAL) as http:
+        second = http.post("/v1/chat/completions", json={"messages": follow, "max_tokens": 8}).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"] // 2
+    text = tokenizer.apply_chat_template(follow, tokenize=False, add_generation_prompt=True)
+    offline = generate(model, tokenizer, tokenizer.encode(text, add_special_tokens=False), max_tokens=8)
+    assert second["choices"][0]["message"]["content"] == offline
 
 
 ENGINE_THREAD_EXIT = """
@@ -366,7 +391,7 @@ def test_tool_calls_reach_the_response(served, monkeypatch):
     app = make_app(model, ToolTokenizer(tokenizer), MODEL, prompt_cache_bytes=0, max_batch=1).app
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools}
-    with TestClient(app) as http:
+    with TestClient(app, base_url=LOCAL) as http:
         whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
         assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Checking."
         call = whole["message"]["tool_calls"][0]
@@ -387,7 +412,7 @@ def test_a_full_queue_answers_429(served):
     server = make_app(model, tokenizer, MODEL, max_queue=1)
     server.worker.stop()  # nothing consumes the queue now
     server.worker.submit(Job([1, 2], 4, {}))
-    with TestClient(server.app) as http:
+    with TestClient(server.app, base_url=LOCAL) as http:
         reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert reply.status_code == 429 and reply.json()["error"]["code"] == "queue_full"
 

@@ -85,14 +85,17 @@ def load(
         cost = cached_costs(key, measure, cache_dir())
         step_times = StepTimes.stored(step_times_path(key, cache_dir()), basis=cost.seconds)
         planner = Planner(cost, drafter.block_size, step_times)
-    return DFlashModel(target, drafter, note, planner), tokenizer
+    fingerprint = f"{target_path.name}-{target.dtype}-{_fingerprint(target_path)}"
+    if drafter is not None:
+        fingerprint += f"-{_fingerprint(draft_path)}"
+    return DFlashModel(target, drafter, note, planner, fingerprint), tokenizer
 
 
 _said: set[str] = set()  # one-line notices already printed by this process
 
 
 def _fingerprint(folder: Path) -> str:
-    """Changes when a drafter dir's files change (its measured costs then do too)."""
+    """Changes when a model dir's files change (its measured costs and saved states then do too)."""
     digest = hashlib.sha1()
     for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
         digest.update(f"{f.name}:{f.stat().st_size}".encode())

@@ -13,6 +13,7 @@ import contextlib
 import json
 import numbers
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
 import anyio
@@ -20,10 +21,13 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from ..prompt_cache import PromptCache
 from .anthropic_api import AnthropicAPI
+from .guard import Guard
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
 from .protocol import RequestError, number
@@ -44,9 +48,20 @@ class Server:
         prompt_cache_bytes: int = 1 << 30,
         max_batch: int = 8,
         max_batch_tokens: Optional[int] = None,
+        prompt_cache_dir: Optional[str] = None,
+        prompt_cache_disk_bytes: int = 8 << 30,
+        access: Optional[dict] = None,
     ):
+        """`access`: Guard's options (bind_host, allow_hosts, cors_origins, api_key)."""
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
-        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        self.prompt_cache = None
+        if prompt_cache_bytes > 0:
+            self.prompt_cache = PromptCache(
+                prompt_cache_bytes,
+                prompt_cache_dir and Path(prompt_cache_dir),
+                prompt_cache_disk_bytes,
+                fingerprint=f"{model_id}:{model.fingerprint}",
+            )
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
         self.batch_refusal = batch_refusal(model) if max_batch > 1 else None  # why one at a time, if so
         self.max_batch = 1 if self.batch_refusal else max_batch
@@ -63,7 +78,11 @@ class Server:
         )
         self.context = context
         self.openai, self.anthropic = OpenAIAPI(self), AnthropicAPI(self)
-        self.app = Starlette(
+        access = access or {}
+        origins = list(access.get("cors_origins", ()))  # their browsers' preflights answered
+        cors = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])]
+        routes = Starlette(
+            middleware=cors if origins else [],
             routes=[
                 Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
                 Route("/v1/completions", self.openai.completions, methods=["POST"]),
@@ -77,11 +96,18 @@ class Server:
             exception_handlers={HTTPException: self._http_error},
             lifespan=self._lifespan,
         )
+        self.app = Guard(routes, self._refused_early, **access)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         yield
         self.worker.stop()  # Ctrl-C: the engine thread finishes its cycle and ends
+        if self.prompt_cache is not None:
+            self.prompt_cache.flush()  # what is in memory survives the restart
+
+    def _refused_early(self, path: str, error: RequestError) -> JSONResponse:
+        """A request the Guard refuses, in the format of the API its path belongs to."""
+        return (self.anthropic if path.startswith("/v1/messages") else self.openai).error(error)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         """Unknown routes and wrong methods, as JSON errors in the format of the API asked."""
@@ -89,8 +115,7 @@ class Server:
             404: f"no route {request.url.path}; see GET /v1/models and docs/serving.md",
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(exc.status_code, exc.detail)
-        api = self.anthropic if request.url.path.startswith("/v1/messages") else self.openai
-        return api.error(RequestError(message, exc.status_code))
+        return self._refused_early(request.url.path, RequestError(message, exc.status_code))
 
     # ------------------------------------------------------------ plain endpoints
 
@@ -143,8 +168,15 @@ class Server:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"the body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise RequestError("the body is nested too deeply; send at most a few hundred levels") from None
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
+        try:  # a lone surrogate ("\ud800") is valid JSON but no text a tokenizer can take
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start : e.end].encode("unicode_escape").decode()
+            raise RequestError(f"the body holds text that is not valid Unicode ({bad}); send UTF-8 text") from None
         return body
 
     def max_tokens(self, body: dict, names: tuple[str, ...], default: Optional[int]) -> int:
@@ -196,9 +228,14 @@ def make_app(
     prompt_cache_bytes: int = 1 << 30,
     max_batch: int = 8,
     max_batch_tokens: Optional[int] = None,
+    prompt_cache_dir: Optional[str] = None,
+    prompt_cache_disk_bytes: int = 8 << 30,
+    access: Optional[dict] = None,
 ) -> Server:
     """The server; with max_batch > 1, requests are decoded in batches when the target allows
-    (else `Server.batch_refusal` says why not; the caller tells the user)."""
+    (else `Server.batch_refusal` says why not; the caller tells the user).  With
+    `prompt_cache_dir`, reusable prefixes are kept in that folder across restarts; `access` says
+    who may call it (guard.Guard: bind_host, allow_hosts, cors_origins, api_key)."""
     from ..api import context_limit
 
     return Server(
@@ -210,6 +247,9 @@ def make_app(
         prompt_cache_bytes,
         max_batch,
         max_batch_tokens,
+        prompt_cache_dir,
+        prompt_cache_disk_bytes,
+        access,
     )
 
 

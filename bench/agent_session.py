@@ -1,0 +1,259 @@
+"""Multi-turn agent sessions replayed against `dflash-mlx serve` and `mlx_lm.server`.
+
+What an agent (Claude Code, OpenCode, Cline, Aider) sends: a long system prompt with tool schemas,
+a file read back in a tool result, turns that ask for the whole file rewritten with a small change,
+the model's own answers kept in the conversation.  Ours is driven as Claude Code drives it (the
+Anthropic Messages API, streamed); mlx_lm.server through the OpenAI API with the same messages,
+which both render to the same prompt with the model's chat template.  Each session runs on each
+server in turn (theirs, then ours), one session alone and `--together` sessions at once; reported
+per server: time to first token per turn (medians over sessions), whole-session time, decode tok/s,
+the server's peak RSS, and whether the answers are equal.  The sessions are written here (never
+benchmark prompts).
+
+    python bench/agent_session.py --turns 5 --together 4 --out bench/results/agent-session
+"""
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serve_batch import start_servers  # noqa: E402
+
+TOOLS = """You are a coding agent working in the user's repository. You can call these tools:
+- read_file(path: string): returns the file's text.
+- write_file(path: string, content: string): replaces the file with `content`.
+- run(command: string): runs a shell command and returns its output.
+- search(pattern: string, path: string): lists the lines matching `pattern`.
+When you change a file, answer with the whole new file in one ```python block and nothing else."""
+
+SOURCE = '''import json
+from pathlib import Path
+
+
+def load_tasks(path):
+    """Read the task list from a JSON file."""
+    return json.loads(Path(path).read_text())
+
+
+def save_tasks(path, tasks):
+    Path(path).write_text(json.dumps(tasks, indent=2))
+
+
+def add_task(tasks, title, priority=1):
+    task = {"id": len(tasks) + 1, "title": title, "priority": priority, "done": False}
+    tasks.append(task)
+    return task
+
+
+def complete_task(tasks, task_id):
+    for task in tasks:
+        if task["id"] == task_id:
+            task["done"] = True
+            return task
+    raise KeyError(task_id)
+
+
+def pending(tasks):
+    return [task for task in tasks if not task["done"]]
+
+
+def by_priority(tasks):
+    return sorted(tasks, key=lambda task: task["priority"], reverse=True)
+'''
+
+CODING = [
+    "Add a docstring to save_tasks. Return the whole file.",
+    "Rename the function pending to open_tasks. Return the whole file.",
+    "Make add_task refuse an empty title with a ValueError. Return the whole file.",
+    "Add a function remove_task(tasks, task_id) after complete_task. Return the whole file.",
+    "Sort by_priority by title as well when priorities are equal. Return the whole file.",
+    "Add type hints to load_tasks and save_tasks. Return the whole file.",
+]
+
+ESSAY = """Working from home has changed how teams communicate. Meetings moved to video calls,
+and many quick questions now happen in chat. Some people enjoy the quiet and the time saved on
+commuting, while others miss the energy of an office. Managers worry about new hires who learn
+less by watching their colleagues. Good habits help: a shared calendar, written decisions, and a
+weekly call where everyone can speak."""
+
+WRITING = [
+    "Make the first sentence more vivid. Return the whole paragraph.",
+    "Add a sentence about time zones after the second sentence. Return the whole paragraph.",
+    "Replace 'Managers worry' with a gentler phrase. Return the whole paragraph.",
+    "End the paragraph with a one-sentence summary. Return the whole paragraph.",
+    "Split the paragraph into two paragraphs where it fits best. Return the text.",
+    "Fix any repetition you notice. Return the whole text.",
+]
+
+
+def sessions(count: int, turns: int) -> list[dict]:
+    """Coding and writing sessions in turn; each starts with the file or text in a tool result."""
+    out = []
+    for k in range(count):
+        if k % 2 == 0:
+            system = TOOLS
+            opening = f"read_file('tasks.py') returned:\n```python\n{SOURCE}```\n{CODING[0]}"
+            asks = CODING[1:]
+        else:
+            system = "You are a careful editor. Keep the author's voice and return the whole text each time."
+            opening = f"Here is my draft:\n\n{ESSAY}\n\n{WRITING[0]}"
+            asks = WRITING[1:]
+        out.append({"system": system, "turns": [opening] + asks[k // 2 % len(asks) :][: turns - 1]})
+    return out
+
+
+def replay_ours(port: int, session: dict, max_tokens: int) -> list[dict]:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0, timeout=3600)
+    messages, turns = [], []
+    for ask in session["turns"]:
+        messages.append({"role": "user", "content": ask})
+        tic, first, text = time.perf_counter(), None, ""
+        with client.messages.stream(
+            model="local", system=session["system"], messages=messages, max_tokens=max_tokens
+        ) as stream:
+            for piece in stream.text_stream:
+                first = first or time.perf_counter()
+                text += piece
+            usage = stream.get_final_message().usage
+        done = time.perf_counter()
+        messages.append({"role": "assistant", "content": text})
+        turns.append(dict(ttft=(first or done) - tic, seconds=done - tic, tokens=usage.output_tokens, text=text))
+    return turns
+
+
+def replay_theirs(port: int, session: dict, max_tokens: int) -> list[dict]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
+    messages, turns = [{"role": "system", "content": session["system"]}], []
+    for ask in session["turns"]:
+        messages.append({"role": "user", "content": ask})
+        tic, first, text, tokens = time.perf_counter(), None, "", 0
+        stream = client.chat.completions.create(
+            model="default_model",
+            messages=messages,
+            max_tokens=max_tokens,
+            stream=True,
+            temperature=0.0,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                text += chunk.choices[0].delta.content
+        done = time.perf_counter()
+        messages.append({"role": "assistant", "content": text})
+        turns.append(dict(ttft=(first or done) - tic, seconds=done - tic, tokens=tokens, text=text))
+    return turns
+
+
+def rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def run_level(replay, port: int, chosen: list[dict], max_tokens: int) -> dict:
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(len(chosen)) as pool:
+        results = list(pool.map(lambda s: replay(port, s, max_tokens), chosen))
+    wall = time.perf_counter() - tic
+    turns = max(len(r) for r in results)
+    ttft = [median(r[t]["ttft"] for r in results if t < len(r)) for t in range(turns)]
+    decode = sum(t["tokens"] for r in results for t in r) / sum(t["seconds"] - t["ttft"] for r in results for t in r)
+    return dict(session_seconds=wall, ttft=ttft, decode_tok_s=decode, texts=[[t["text"] for t in r] for r in results])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--together", type=int, default=4, help="sessions at once in the second level")
+    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--out", default=None, help="folder for results.json, results.md and the TTFT plot")
+    args = parser.parse_args()
+
+    import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
+    from dflash_mlx.bench.harness import machine
+    from dflash_mlx.convert.smollm2 import smollm2_path
+
+    levels, peak = {}, {}
+    for together in (1, args.together):  # fresh servers per level: no state carried from the level before
+        (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), max(together, 2))
+        try:
+            chosen = sessions(together, args.turns)
+            level = {}
+            for name, replay, port in (
+                ("mlx_lm.server", replay_theirs, theirs_port),
+                ("dflash-mlx", replay_ours, ours_port),
+            ):
+                level[name] = run_level(replay, port, chosen, args.max_tokens)
+                print(
+                    f"{together} session(s), {name}: {level[name]['session_seconds']:.1f} s, TTFT per turn "
+                    f"{' '.join(f'{t:.2f}' for t in level[name]['ttft'])} s, decode "
+                    f"{level[name]['decode_tok_s']:.1f} tok/s",
+                    flush=True,
+                )
+            level["equal_answers"] = level["dflash-mlx"]["texts"] == level["mlx_lm.server"]["texts"]
+            levels[together] = level
+            peak[together] = {"mlx_lm.server": rss_mb(theirs.pid), "dflash-mlx": rss_mb(ours.pid)}
+        finally:
+            for process in (ours, theirs):
+                process.terminate()
+                process.wait(timeout=60)
+    lines = [
+        f"Machine: {machine()}",
+        f"Command: python {' '.join(sys.argv)}",
+        "",
+        "| sessions at once | server | session s | speedup | TTFT per turn (s, median over sessions) | "
+        "decode tok/s | answers equal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for together, level in levels.items():
+        base = level["mlx_lm.server"]["session_seconds"]
+        for name in ("mlx_lm.server", "dflash-mlx"):
+            row = level[name]
+            lines.append(
+                f"| {together} | {name} | {row['session_seconds']:.1f} | {base / row['session_seconds']:.2f}x | "
+                f"{' / '.join(f'{t:.2f}' for t in row['ttft'])} | {row['decode_tok_s']:.1f} | "
+                f"{'yes' if level['equal_answers'] else 'no'} |"
+            )
+    for together, rss in peak.items():
+        lines.append(
+            f"\nPeak RSS at {together} session(s): mlx_lm.server {rss['mlx_lm.server']:.0f} MB, "
+            f"dflash-mlx {rss['dflash-mlx']:.0f} MB"
+        )
+    print("\n".join(lines))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"levels": levels, "peak_rss_mb": peak}, indent=1))
+        (out / "results.md").write_text("\n".join(lines) + "\n")
+        from dflash_mlx.bench.plots import _pyplot
+
+        plt = _pyplot()
+        fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 3.5), squeeze=False)
+        for ax, (together, level) in zip(axes[0], levels.items()):
+            for name in ("mlx_lm.server", "dflash-mlx"):
+                ax.plot(range(1, len(level[name]["ttft"]) + 1), level[name]["ttft"], marker="o", label=name)
+            ax.set(title=f"{together} session(s) at once", xlabel="turn", ylabel="time to first token (s)")
+            ax.set_ylim(bottom=0)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ttft_per_turn.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
