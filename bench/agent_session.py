@@ -190,7 +190,7 @@ def main():
     from dflash_mlx.convert.smollm2 import smollm2_path
 
     levels, peak = {}, {}
-    for together in (1, args.together):  # fresh servers per level: no state carried from the level before
+    for together in sorted({1, args.together}):  # fresh servers per level: no state carried from the level before
         (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), max(together, 2))
         try:
             chosen = sessions(together, args.turns)

@@ -118,16 +118,25 @@ class StepTimes:
     the batch falls back to, and judged dear before it ran it would never run and never be
     corrected (traced: 8 rows x 1 token never tried, 8 x 2 run instead at 0.7x its tokens/s).
 
+    A shape not run for `forget_after` steps is forgotten (judged by the shapes around it again).
+
     With a `store` (a file beside the machine's cost curve), what the steps taught is kept every
     `save_every` steps and read back by the next process, so a fresh server does not pay again
     to learn which shapes are dear; it holds for the curve it was learnt against (`basis`)."""
 
     def __init__(
-        self, window: int = 7, store: Optional[Path] = None, basis: Sequence[float] = (), save_every: int = 50
+        self,
+        window: int = 7,
+        store: Optional[Path] = None,
+        basis: Sequence[float] = (),
+        save_every: int = 50,
+        forget_after: int = 500,
     ):
-        self.window = window
+        self.window, self.forget_after = window, forget_after
         self.seen: dict[tuple[int, int], deque] = {}  # shape -> its last `window` ratios
         self.ratios: dict[tuple[int, int], float] = {}
+        self.seen_at: dict[tuple[int, int], int] = {}  # shape -> the step it last ran at
+        self.steps = 0
         self.store, self.basis, self.save_every = store, list(basis), save_every
         self._unsaved = 0
 
@@ -153,7 +162,7 @@ class StepTimes:
                 ):
                     raise ValueError("not a step time")
                 times.seen[rows, width] = deque(ratios[-window:], maxlen=window)
-                times.ratios[rows, width] = median_low(times.seen[rows, width])
+                times.ratios[rows, width] = times._typical(times.seen[rows, width], width)
         except (ValueError, TypeError, KeyError, OSError) as e:  # truncated, foreign or from another version
             console.print(
                 f"note: the step times in {store} are unreadable ({type(e).__name__}); learning them again",
@@ -161,6 +170,17 @@ class StepTimes:
             )
             times.seen, times.ratios = {}, {}
         return times
+
+    @staticmethod
+    def _typical(seen, width: int) -> float:
+        """The lower median of a shape's ratios (stalls only add time).  For plain steps, of the
+        means of consecutive pairs: a pipelined plain step's pass runs beside the step before,
+        and which of the two the wait lands in varies (traced: 2.0 and 0.14 in turn), so one
+        step says little and two say what a step costs."""
+        seen = list(seen)
+        if width == 1 and len(seen) >= 3:
+            seen = [(a + b) / 2 for a, b in zip(seen, seen[1:])]
+        return median_low(seen)
 
     def ratio(self, rows: int, width: int) -> float:
         ratios = self.ratios
@@ -189,9 +209,16 @@ class StepTimes:
 
     def observe(self, rows: int, width: int, modelled: float, seconds: float) -> None:
         seen = self.seen.setdefault((rows, width), deque(maxlen=self.window))
-        # a pipelined step's pass was queued (and partly run) in the step before: never free
-        seen.append(max(seconds / modelled, 0.05))
-        self.ratios[rows, width] = median_low(seen)
+        seen.append(max(seconds / modelled, 0.05))  # an injected clock may see a step as free
+        self.ratios[rows, width] = self._typical(seen, width)
+        self.steps += 1
+        self.seen_at[rows, width] = self.steps
+        # a shape judged dear is not run again, so never corrected: after a while it is forgotten,
+        # and judged by the shapes around it again (traced: ratios learnt on a bad day kept every
+        # verify wider than 2 off for good)
+        for shape in [s for s in self.seen if self.steps - self.seen_at.get(s, 0) > self.forget_after]:
+            del self.seen[shape], self.ratios[shape]
+            self.seen_at.pop(shape, None)
         self._unsaved += 1
         if self.store is not None and self._unsaved >= self.save_every:
             self.save()

@@ -136,6 +136,7 @@ class Decoder:
         self.fill_cache = None
         self.waiting: list[Request] = []  # queued until there is room
         self._queued: Optional[Pass] = None  # the next plain pass, already running
+        self._read_at = 0.0  # when the last step's tokens were read
         self._next_uid = 0
 
     @property
@@ -297,7 +298,10 @@ class Decoder:
         rows, planner, started = self.rows, self.model.planner, self.clock()
         queued, self._queued = self._queued, None
         if queued is not None:
-            done = queued
+            # queued during the step before, and computed beside it: what it costs is the time
+            # between the two steps' tokens (from its own start it looks nearly free, and the
+            # planner would then judge every drafting step against a plain step that is not)
+            started, done = self._read_at, queued
         else:
             plans = (
                 planner.plan(rows, self.model.draft is not None)
@@ -307,8 +311,10 @@ class Decoder:
             done = self._pass(rows, plans, [mx.array([row.token], dtype=mx.int32) for row in rows], 0)
         width = max(plan.width for plan in done.plans)
         if width == 1:
+            mx.async_eval(done.choices)  # its own task: reading it must not wait for the pass queued next
             self._queue_next(rows, done)
         mx.eval([choice for choice in done.choices], done.proposals)
+        self._read_at = self.clock()
         keeps = []
         for i, (row, plan, proposal, (n, next_token)) in enumerate(zip(rows, done.plans, done.proposals, done.choices)):
             n = n.item()
