@@ -11,6 +11,13 @@ the server's peak RSS, and whether the answers are equal.  The sessions are writ
 benchmark prompts).
 
     python bench/agent_session.py --turns 5 --together 4 --out bench/results/agent-session
+
+`--restart` replays one session against ours with a `--prompt-cache-dir`, stops the server, starts it
+again on the folder and asks the session's first turn again (its TTFT against the warm turns').
+`--soak N` runs N sessions one after another against ours alone instead, and reports the server's
+resident memory after each (memory must stay flat once the prompt cache is full):
+
+    python bench/agent_session.py --soak 50 --turns 3 --max-tokens 64 --out bench/results/agent-soak
 """
 
 import argparse
@@ -24,7 +31,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve_batch import start_servers  # noqa: E402
+from serve_batch import start_ours, start_servers  # noqa: E402
 
 TOOLS = """You are a coding agent working in the user's repository. You can call these tools:
 - read_file(path: string): returns the file's text.
@@ -166,6 +173,78 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def current_rss_mb(pid: int) -> float:
+    """The process's resident set now (VmRSS), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def soak(count: int, turns: int, max_tokens: int, out) -> None:
+    """`count` sessions in a row against ours: its RSS after each, flat after the fifth?"""
+    from dflash_mlx.bench.harness import machine
+
+    ours, port = start_ours(2)
+    rss = []
+    try:
+        for k, session in enumerate(sessions(count, turns)):
+            replay_ours(port, session, max_tokens)
+            rss.append(current_rss_mb(ours.pid))
+            print(f"session {k + 1}: RSS {rss[-1]:.0f} MB", flush=True)
+    finally:
+        ours.terminate()
+        ours.wait(timeout=60)
+    base = rss[min(4, len(rss) - 1)]
+    lines = [
+        f"Machine: {machine()}",
+        f"Command: python {' '.join(sys.argv)}",
+        "",
+        f"{count} sessions of {turns} turns in a row: RSS after session 5 {base:.0f} MB, after session {count} "
+        f"{rss[-1]:.0f} MB ({100 * (rss[-1] / base - 1):+.1f}%), largest after session 5 {max(rss[4:] or rss):.0f} MB",
+    ]
+    print("\n".join(lines))
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"rss_mb": rss}, indent=1))
+        (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def restart(turns: int, max_tokens: int, out) -> None:
+    """A session against ours with a prompt-cache folder; the server stopped (SIGTERM) and started
+    again on the folder; the session's first turn asked again: its TTFT against the warm turns'."""
+    import tempfile
+
+    from dflash_mlx.bench.harness import machine
+
+    session = sessions(1, turns)[0]
+    with tempfile.TemporaryDirectory() as folder:
+        first = []
+        for run in range(2):
+            ours, port = start_ours(2, "--prompt-cache-dir", folder)
+            try:
+                chosen = session if run == 0 else {**session, "turns": session["turns"][:1]}
+                first.append([t["ttft"] for t in replay_ours(port, chosen, max_tokens)])
+            finally:
+                ours.terminate()
+                ours.wait(timeout=120)
+    warm = median(first[0][1:])
+    lines = [
+        f"Machine: {machine()}",
+        f"Command: python {' '.join(sys.argv)}",
+        "",
+        f"First turn cold {first[0][0]:.2f} s; later turns (warm) {' / '.join(f'{t:.2f}' for t in first[0][1:])} s; "
+        f"the first turn again after a restart on the folder: {first[1][0]:.2f} s "
+        f"({first[1][0] / warm:.2f}x the warm median)",
+    ]
+    print("\n".join(lines))
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "restart.md").write_text("\n".join(lines) + "\n")
+
+
 def run_level(replay, port: int, chosen: list[dict], max_tokens: int) -> dict:
     tic = time.perf_counter()
     with ThreadPoolExecutor(len(chosen)) as pool:
@@ -183,9 +262,20 @@ def main():
     parser.add_argument("--together", type=int, default=4, help="sessions at once in the second level")
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--out", default=None, help="folder for results.json, results.md and the TTFT plot")
+    parser.add_argument("--soak", type=int, default=0, help="instead: this many sessions in a row against ours")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="instead: a session, a restart on the prompt-cache folder, its first turn",
+    )
     args = parser.parse_args()
 
     import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
+
+    if args.soak:
+        return soak(args.soak, args.turns, args.max_tokens, args.out)
+    if args.restart:
+        return restart(args.turns, args.max_tokens, args.out)
     from dflash_mlx.bench.harness import machine
     from dflash_mlx.convert.smollm2 import smollm2_path
 

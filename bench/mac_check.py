@@ -1,23 +1,31 @@
-"""One command for a Mac owner: do dflash-mlx's Metal kernels agree with their MLX twins,
-and are they faster, at 1k and 4k context tokens?
+"""One command for a Mac owner: do dflash-mlx's Metal kernels agree with their MLX twins and
+are they faster, what does a verify pass cost on this GPU, and how fast is DFlash against plain
+mlx-lm here?
 
-    python bench/mac_check.py [--repeats 20]
+    python bench/mac_check.py [--repeats 20] [--model M] [--prompts 6] [--max-tokens 128]
 
-Prints two tables: parity (max relative error, kernel vs twin, for the drafter's block
-attention at head_dim 64/128/256 in fp32/fp16/bf16, widths 1/4/16, bidirectional and causal,
-and the GatedDeltaNet tape in fp32/bf16) and speed (fused attention vs concat + SDPA, tape
-replay vs re-running the recurrence). Exit status 1 if any parity check fails. Paste the
-output into an issue: nobody on the project has run the kernels on Apple hardware yet.
+Prints, as markdown to paste into an issue: kernel parity (max relative error, kernel vs twin,
+for the drafter's block attention at head_dim 64/128/256 in fp32/fp16/bf16, widths 1/4/16,
+bidirectional and causal, and the GatedDeltaNet tape in fp32/bf16); kernel speed (fused
+attention vs concat + SDPA, tape replay vs re-running the recurrence); the verify cost curve of
+the 4-bit target (a target pass of 1-16 tokens on a 1k-token cache, and the drafter's pass:
+what the adaptive plan decides on); and DFlash against plain mlx-lm on a few prompts (tok/s,
+speedup, tau, peak memory).  Exit status 1 if any parity check fails.  Nobody on the project
+has run it on Apple hardware yet.
 """
 
 import sys
+import tempfile
+from typing import Optional
 
 import typer
 
 import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 
-from dflash_mlx import kernels
+from dflash_mlx import kernels, load
+from dflash_mlx.bench.harness import run_bench
+from dflash_mlx.costs import measure_costs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from kernels import attention_rows, rollback_rows  # noqa: E402  (bench/kernels.py, the speed tables)
@@ -68,7 +76,29 @@ def tape_parity(dtypes=(mx.float32, mx.bfloat16), widths=(1, 4, 16), run=None):
     return rows
 
 
-def main(repeats: int = 20):
+def verify_curve(pair, context: int = 1024, widths=(1, 2, 4, 8, 16), repeats: int = 5) -> list[tuple]:
+    """Rows (width, target pass ms, drafter pass ms at that width) on a `context`-token cache."""
+    cost = measure_costs(pair.target, pair.draft, context=context, widths=widths, repeats=repeats)
+    return [(w, 1e3 * cost.verify(w), 1e3 * cost.drafter_pass(w) if w > 1 else 0.0) for w in widths]
+
+
+def end_to_end(pair, tokenizer, prompts: int = 6, max_tokens: int = 128, out: Optional[str] = None) -> list[dict]:
+    """The benchmark harness's summary over `prompts` prompts of the mixed sets, greedy and
+    sampled, plain mlx-lm and DFlash interleaved: one row per mode (medians; bench/harness.py)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        sets = ["gsm8k", "humaneval", "mtbench"]
+        results = run_bench(
+            pair, tokenizer, sets, -(-prompts // len(sets)), max_tokens, ["greedy", "sampled"], out or scratch
+        )
+    return [row for row in results["summary"] if row["set"] == "all"]
+
+
+def main(
+    repeats: int = 20,
+    model: Optional[str] = typer.Option(None, "--model", help="Target (default: the offline SmolLM2, 4-bit)."),
+    prompts: int = typer.Option(6, "--prompts"),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+):
     if not kernels.use_metal():
         raise SystemExit(
             "bench/mac_check.py needs a Mac with Metal (and the GPU as MLX's default device); "
@@ -90,6 +120,18 @@ def main(repeats: int = 20):
     print("\n| accepted of 16 | re-run recurrence ms | tape replay ms | speedup |\n|---|---|---|---|")
     for keep, rerun, replay in rollback_rows(repeats):
         print(f"| {keep} | {rerun:.3f} | {replay:.3f} | {rerun / replay:.2f}x |")
+    pair, tokenizer = load(model, quant=4)
+    print(f"\n{model or 'SmolLM2-135M-Instruct'} 4-bit, 1k-token cache\n")
+    print("| width | target pass ms | drafter pass ms |\n|---|---|---|")
+    for width, verify, draft in verify_curve(pair):
+        print(f"| {width} | {verify:.2f} | {draft:.2f} |")
+    print("\n| mode | plain mlx-lm tok/s | DFlash tok/s | speedup (median) | tau | peak GB plain / DFlash |")
+    print("|---|---|---|---|---|---|")
+    for r in end_to_end(pair, tokenizer, prompts, max_tokens):
+        print(
+            f"| {r['mode']} | {r['plain_tps']:.1f} | {r['dflash_tps']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} "
+            f"| {r['plain_peak_gb']:.2f} / {r['dflash_peak_gb']:.2f} |"
+        )
     print(f"\n{failures} parity failure(s)")
     raise SystemExit(1 if failures else 0)
 

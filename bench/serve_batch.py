@@ -60,13 +60,18 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600) -> No
     raise SystemExit("a server did not start within 10 minutes")
 
 
-def start_servers(model_dir: Path, max_batch: int):
+def start_ours(max_batch: int, *options: str) -> tuple[subprocess.Popen, int]:
+    """`dflash-mlx serve` on a free port (with more `options`), once it answers."""
+    port = free_port()
+    command = [sys.executable, "-m", "dflash_mlx.cli", "serve", "--port", str(port), "--max-batch", str(max_batch)]
+    process = subprocess.Popen([*command, *options], stderr=subprocess.DEVNULL)
+    wait_ready(port, process)
+    return process, port
+
+
+def start_servers(model_dir: Path, max_batch: int, *ours_options: str):
     python = sys.executable
-    ours_port, theirs_port = free_port(), free_port()
-    ours = subprocess.Popen(
-        [python, "-m", "dflash_mlx.cli", "serve", "--port", str(ours_port), "--max-batch", str(max_batch)],
-        stderr=subprocess.DEVNULL,
-    )
+    theirs_port = free_port()
     env = dict(os.environ)
     blas = openblas_path()
     if blas:
@@ -88,9 +93,8 @@ def start_servers(model_dir: Path, max_batch: int):
         env=env,
         stderr=subprocess.DEVNULL,
     )
-    wait_ready(ours_port, ours)
     wait_ready(theirs_port, theirs)
-    return (ours, ours_port), (theirs, theirs_port)
+    return start_ours(max_batch, *ours_options), (theirs, theirs_port)
 
 
 def drive(
@@ -213,7 +217,8 @@ def main():
     pool = mixed_prompts(names, sum(len(load_prompts(name)) for name in names))
     prompts = [pool[i % len(pool)] for i in range(most)]  # a small set is sent again, in the same order
     model, tokenizer = load(None)
-    (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), args.max_batch)
+    # every level and rep sends the same prompts again: ours must not copy its own earlier answers
+    (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), args.max_batch, "--no-suffix-drafts")
     rows = []
     try:
         for port, name in ((theirs_port, "default_model"), (ours_port, "SmolLM2-135M-Instruct")):

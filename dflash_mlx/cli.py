@@ -232,6 +232,16 @@ def serve(
     cors_origin: list[str] = typer.Option(
         [], "--cors-origin", help="Let web pages from this origin call the server (repeatable)."
     ),
+    no_suffix_drafts: bool = typer.Option(
+        False,
+        "--no-suffix-drafts",
+        help="Do not copy drafts from earlier answers (when clients must not share even timing).",
+    ),
+    drain_seconds: float = typer.Option(
+        10.0,
+        "--drain-seconds",
+        help="On SIGTERM or Ctrl-C, let running requests finish for this long (new ones get 503), then stop.",
+    ),
     distributed: Optional[str] = DISTRIBUTED,
     split: Optional[str] = SPLIT,
     timeout: float = TIMEOUT,
@@ -251,6 +261,8 @@ def serve(
         or not 0 < port < 65536
     ):
         fail("--max-queue, --max-batch and --max-batch-tokens must be >= 1 and --port in 1..65535")
+    if not 0 <= drain_seconds <= 3600:
+        fail(f"--drain-seconds must be between 0 and 3600, got {drain_seconds}")
     from .api import load
 
     if prompt_cache_bytes < 0:
@@ -267,6 +279,8 @@ def serve(
         writable(Path(prompt_cache_dir), "prompt cache")
     pipeline = pipeline_options(distributed, split, timeout)
     pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive, **pipeline)
+    if no_suffix_drafts:
+        pair.suffixes = None
     if distributed is not None:
         if not pair.target.is_driver:
             try:
@@ -306,11 +320,11 @@ def serve(
         )
     typer.secho(
         f"serving {name} on http://{host}:{port}/v1 (drafter: "
-        f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}); Ctrl-C stops",
+        f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}); Ctrl-C drains and stops",
         err=True,
     )
     try:
-        run(server, host, port)
+        run(server, host, port, drain_seconds)
     finally:
         if distributed is not None:
             try:

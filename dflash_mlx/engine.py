@@ -6,7 +6,8 @@
              step's block
     plan     each row's proposal and the step's verify width (plan.py)
     propose  per row: the drafter ([last token, MASK x (w-1)], one pass for the rows drafting
-             at one width), the prompt lookup's tokens, or nothing (plain decoding)
+             at one width), tokens copied by the prompt lookup or from earlier answers, or
+             nothing (plain decoding)
     verify   one target pass over every row's [last token] + proposal: logits + features
     accept   each row keeps its longest agreeing prefix + one token of the target's own
     roll back each row's target caches to the tokens it kept; their features go to the
@@ -22,11 +23,13 @@ the same noise per (seed, position) (sampling.py), whatever the widths and the b
 """
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generation_stream, wired_limit
 
 from .grammar import Grammar, masked
 from .model import DecodeStats, DFlashModel, Step
@@ -118,7 +121,11 @@ class Decoder:
     included); above, on mlx-lm's batch caches.  With `max_batch_tokens`, a request joins only
     while the batch's caches stay within that many tokens (rows x the longest row, padding
     included, at its longest: batch caches hold every row at the longest one's length); a
-    request too long for the bound runs alone once the batch is empty."""
+    request too long for the bound runs alone once the batch is empty.
+
+    As mlx-lm's generation does, it computes on mlx-lm's generation stream and, from its
+    creation to `close()`, with the GPU's wired memory limit at its recommended size (the
+    weights stay resident between steps; a warning when they do not fit)."""
 
     def __init__(
         self,
@@ -138,6 +145,15 @@ class Decoder:
         self._queued: Optional[Pass] = None  # the next plain pass, already running
         self._read_at = 0.0  # when the last step's tokens were read
         self._next_uid = 0
+        # a cache that cannot be cut back is snapshotted along long prefills (prompt_cache.py)
+        self.snapshot_every = prompt_cache and prompt_cache.snapshot_interval(model.target.make_cache())
+        self.stream = generation_stream
+        self._wired = ExitStack()
+        self._wired.enter_context(wired_limit([m for m in (model.target.model, model.draft) if m], [self.stream]))
+
+    def close(self) -> None:
+        """The wired memory limit as it was before (safe to call twice)."""
+        self._wired.close()
 
     @property
     def busy(self) -> bool:
@@ -152,9 +168,15 @@ class Decoder:
 
     def remove(self, *uids: int) -> None:
         """Drop requests (finished, stopped or cancelled); their rows are freed before the next step,
-        and what they decoded is kept in the prompt cache (a chat's next turn starts from it)."""
+        and what they decoded is kept in the prompt cache (a chat's next turn starts from it) and
+        in the model's store of answers (later requests copy from it)."""
+        leaving = [i for i, row in enumerate(self.rows) if row.uid in uids]
+        for i in leaving:
+            if self.rows[i].suffixes is not None:
+                self.rows[i].suffixes.add(self.rows[i].prompt, self.rows[i].output)
         if self.prompt_cache is not None:
-            self._keep_answers([i for i, row in enumerate(self.rows) if row.uid in uids])
+            with mx.stream(self.stream):
+                self._keep_answers(leaving)
         self.waiting = [row for row in self.waiting if row.uid not in uids]
         self.filling, self.fill_cache = self._without(self.filling, self.fill_cache, uids)
         self.rows, self.cache = self._without(self.rows, self.cache, uids)
@@ -167,15 +189,16 @@ class Decoder:
         """One prefill chunk of the requests joining (those with room start theirs), then one
         decode step of the rows.  Rows that reach their max_tokens leave by themselves.  A
         queued pass is for the rows as they were: it is taken before anyone joins."""
-        pipelined = self._queued is not None
-        if not pipelined:
-            self._join()
-        steps, size, width = {}, len(self.rows), 0
-        if self.rows:
-            width = self._decode(steps)
-        if pipelined:
-            self._join()
-        self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
+        with mx.stream(self.stream):
+            pipelined = self._queued is not None
+            if not pipelined:
+                self._join()
+            steps, size, width = {}, len(self.rows), 0
+            if self.rows:
+                width = self._decode(steps)
+            if pipelined:
+                self._join()
+            self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
         return BatchStep(size, width, steps)
 
     def _keep_answers(self, leaving: list[int]) -> None:
@@ -232,7 +255,7 @@ class Decoder:
         only); the rows whose prompt is in join the decoding rows."""
         rows, tic = self.filling, self.clock()
         span = max(PREFILL_STEP // len(rows), 1)
-        chunks = [row.unfilled[:span] for row in rows]
+        chunks = [row.unfilled[: self._chunk_length(row, span)] for row in rows]
         lengths = [len(chunk) for chunk in chunks]
         tokens = mx.array([chunk + [0] * (max(lengths) - len(chunk)) for chunk in chunks])
         self.fill_cache.pad_right(lengths)
@@ -241,6 +264,9 @@ class Decoder:
         for i, (row, n) in enumerate(zip(rows, lengths)):
             row.context.add(None if features is None else features[i : i + 1, :n])
             row.unfilled = row.unfilled[n:]
+            done = len(row.prompt) - 1 - len(row.unfilled)
+            if self.snapshot_every and row.unfilled and done % self.snapshot_every == 0:
+                self.prompt_cache.store(row.prompt[:done], self.fill_cache.extract(i), row.context.flush())
         mx.eval(
             tree_arrays([c.state for c in self.fill_cache.layers]),
             tree_arrays([c.state for row in rows for c in row.context.flush() or []]),
@@ -254,6 +280,13 @@ class Decoder:
         if done:
             self._enter([rows[i] for i in done], [self.fill_cache.extract(i) for i in done])
             self.filling, self.fill_cache = self._without(rows, self.fill_cache, {rows[i].uid for i in done})
+
+    def _chunk_length(self, row: Request, span: int) -> int:
+        """`span` tokens, or fewer to end at the next snapshot along the prompt."""
+        if not self.snapshot_every:
+            return span
+        done = len(row.prompt) - 1 - len(row.unfilled)
+        return min(span, self.snapshot_every - done % self.snapshot_every)
 
     def _enter(self, rows: list[Request], tcaches: list[TargetCache]) -> None:
         """Rows holding all of their prompt but its last token join the decoding rows (the last
@@ -364,7 +397,7 @@ class Decoder:
         return Pass([row.uid for row in rows], plans, proposals, choices, logits, features)
 
     def _proposals(self, rows: list[Request], plans: list[Plan], lasts: list[mx.array], noises: list) -> list[mx.array]:
-        """Each row's proposal: its prompt lookup's tokens, or its drafter's, all rows drafting
+        """Each row's proposal: its copied tokens, or its drafter's, all rows drafting
         at one width in one drafter pass (its weights read once for all of them)."""
         proposals = [mx.array(plan.tokens, dtype=mx.int32) for plan in plans]
         for width in sorted({plan.width for plan in plans if plan.source == "dflash"}):
@@ -444,3 +477,4 @@ def decode_alone(
                 yield step
     finally:
         decoder.remove(uid)  # closed early (EOS, a stop string): its state is kept all the same
+        decoder.close()

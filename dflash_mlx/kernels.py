@@ -26,6 +26,7 @@ import mlx.core as mx
 
 BACKENDS = ("auto", "metal", "mlx")
 ATTENTION_SIMDGROUPS = 8
+TAPE_SIMDGROUPS = 16  # a value head's rows over 512 threads (Qwen3.5 / Qwen3-Next: 128 rows, 8 each)
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 THREADGROUP_MEMORY = 32 * 1024  # bytes per threadgroup on Apple GPUs
 
@@ -264,6 +265,7 @@ def gated_delta_tape_mlx(q, k, v, g, beta, state):
 def gated_delta_tape_launch(q, k, v, g, beta, state) -> Launch:
     B, T, HK, DK = k.shape
     HV, DV = v.shape[2:]
+    simdgroups = min(DV, TAPE_SIMDGROUPS)  # one threadgroup per value head
     return Launch(
         kernel="gated_delta_tape",
         inputs=dict(
@@ -278,9 +280,17 @@ def gated_delta_tape_launch(q, k, v, g, beta, state) -> Launch:
         outputs=dict(
             y=((B, T, HV, DV), q.dtype), state_out=((B, HV, DV, DK), mx.float32), delta=((B, T, HV, DV), mx.float32)
         ),
-        template=[("T_IN", q.dtype), ("DK", DK), ("DV", DV), ("HK", HK), ("HV", HV)],
-        grid=(32, DV, B * HV),
-        threadgroup=(32, 4, 1),
+        template=[
+            ("T_IN", q.dtype),
+            ("DK", DK),
+            ("DV", DV),
+            ("HK", HK),
+            ("HV", HV),
+            ("SIMDGROUPS", simdgroups),
+            ("ROWS", -(-DV // simdgroups)),
+        ],
+        grid=(32 * simdgroups, 1, B * HV),
+        threadgroup=(32 * simdgroups, 1, 1),
     )
 
 

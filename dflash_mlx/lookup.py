@@ -8,7 +8,7 @@ the tokens that followed it are proposed, as in prompt lookup decoding and vLLM'
 n-gram speculator (a match that runs into the present continues with its own
 period).  They are verified like any draft, so the output is unchanged.  How long
 the matched suffix was travels with the proposal: a 1-token match is a weak hint, a
-4-token one a strong one, and the adaptive plan (adaptive.py) learns how often each
+4-token one a strong one, and the adaptive plan (plan.py) learns how often each
 kind is accepted.
 """
 
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Match:
     tokens: tuple = ()  # what followed the earlier occurrence (empty: no match)
-    length: int = 0  # tokens of the current suffix that matched
+    length: int = 0  # tokens of the current suffix that matched (suffix.py: their length class)
+    source: str = "lookup"  # "lookup": this request's own tokens; "suffix": earlier answers (suffix.py)
 
     def __bool__(self) -> bool:
         return bool(self.tokens)

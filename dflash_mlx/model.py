@@ -11,6 +11,7 @@ from .target import Target
 
 if TYPE_CHECKING:
     from .plan import Planner
+    from .suffix import SuffixStore
 
 
 @dataclass
@@ -22,6 +23,7 @@ class DFlashModel:
     draft_note: str = ""  # why there is no drafter, when there is none
     planner: Optional["Planner"] = None  # adaptive verify widths, kept across generations
     fingerprint: str = ""  # names the weights (a saved cache state is only valid for them)
+    suffixes: Optional["SuffixStore"] = None  # earlier answers, proposed from (suffix.py)
 
     @property
     def feature_layers(self) -> list[int]:
@@ -35,7 +37,7 @@ class DecodeStats:
     block_size: int = 1
     accepted_lengths: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # verify width of each cycle (1 = plain)
-    sources: list[str] = field(default_factory=list)  # what proposed each cycle: plain, dflash or lookup
+    sources: list[str] = field(default_factory=list)  # what proposed each cycle: plain, dflash, lookup or suffix
     prompt_seconds: float = 0.0  # until the first token is out
     decode_seconds: float = 0.0  # after it
     cached_tokens: int = 0  # prompt tokens restored from a prompt cache instead of prefilled

@@ -11,7 +11,9 @@ where every row is verified at the step's width L (the widest plan's; a narrower
 padded with tokens that are never accepted).  One row is the single-stream case: plain
 decoding (L = 1), the drafter at L = 2 .. its block, or the prompt lookup's proposal
 (lookup.py: no drafter pass) at L = 2 .. its length + 1, judged by the acceptance of
-matches of that suffix length (a 1-token match is a weak hint, a 4-token one a strong one).
+matches of that suffix length (a 1-token match is a weak hint, a 4-token one a strong one),
+or the session-wide store's proposal (suffix.py: what earlier answers most often said
+next), judged by the acceptance of matches of its length class.
 On a CPU, where a pass is compute-bound, a large batch decodes plain; where the pass cost
 is flat in its length (a Mac GPU), drafting pays at small and medium batch sizes.
 
@@ -21,10 +23,12 @@ cycles (every cycle ages it, so it drifts back to the prior when a kind has not 
 lately).  A drafter the prior says never pays is still tried, at width 2, after
 `first_probe` steps of each generation and then once every `explore_every` steps without
 it (rows due together probe together): a prompt can be easier than the average.  A prompt
-lookup's proposal is never wider than copies of its kind have earned in this generation
-(`copy_widths`): 4 at first, doubled after a copy accepted whole, cut to just past the accepted
-run otherwise, so a run of wrong copies (a prompt that reformats rather than copies) costs
-2-token verifies within a cycle, and a faithful copy reaches full width in two.  And a
+lookup's or the store's proposal is judged by its kind's acceptance estimate, and once a copy of
+its kind went wrong in this generation it is never wider than copies of that kind have since
+earned (`copy_widths`): cut to just past the accepted run, doubled after each copy accepted
+whole.  So a faithful copy is verified at full width from its first cycle, and a run of wrong
+copies (a prompt that reformats rather than copies) pays one wide verify per kind, then 2-token
+ones.  And a
 plain step of a batch size not run for `explore_every` steps is run again, so the figure
 it is judged by stays current.
 """
@@ -33,10 +37,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 from .costs import CostModel, StepTimes
-from .lookup import NO_MATCH, Match
+from .lookup import Match
 from .sampling import SamplingParams
 
-FIRST_COPY_WIDTH = 4  # a lookup kind's first proposal in a generation: at most 3 copied tokens
+COPIES = ("lookup", "suffix")  # sources that copy earlier tokens (no drafter pass)
 
 
 @dataclass
@@ -96,8 +100,8 @@ class AcceptanceEstimate:
 @dataclass(frozen=True)
 class Plan:
     """What one cycle does: verify `width` tokens, the last committed one plus width - 1
-    proposed by `source` ("dflash": the drafter, "lookup": the prompt lookup's `tokens`,
-    found by a suffix match of `match` tokens); width 1 is a plain decoding step."""
+    proposed by `source` ("dflash": the drafter; "lookup" or "suffix": copied `tokens`, found
+    by a match of `match` tokens, or of that length class); width 1 is a plain decoding step."""
 
     width: int = 1
     source: str = "plain"
@@ -107,7 +111,7 @@ class Plan:
     @property
     def kind(self) -> str:
         """Whose acceptance estimate this plan is judged by."""
-        return f"lookup{self.match}" if self.source == "lookup" else self.source
+        return f"{self.source}{self.match}" if self.source in COPIES else self.source
 
 
 PLAIN = Plan()
@@ -122,9 +126,9 @@ class Row(Protocol):
     params: SamplingParams
     estimates: dict  # kind -> AcceptanceEstimate, this generation's
     since_draft: int  # steps since it last drafted
-    copy_widths: dict  # lookup kind -> the widest verify its next proposal may have
+    copy_widths: dict  # copy kind -> the widest verify its next proposal may have
 
-    def match(self, limit: int) -> Match: ...
+    def matches(self, limit: int) -> list[Match]: ...
 
 
 @dataclass
@@ -164,7 +168,7 @@ class Planner:
     def plan(self, rows: list[Row], drafter: bool = True, lookahead: int = 0) -> list[Plan]:
         """Each row's plan for the next step.  With `lookahead` = 1 the step after that is
         planned before the coming tokens are read (to queue it when it is plain): the rows
-        count one token less left, and their lookup matches are the current ones."""
+        count one token less left, and their copy matches are the current ones."""
         lefts = [row.left - lookahead for row in rows]
         fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
         if not any(row.adaptive for row in rows):
@@ -172,9 +176,7 @@ class Planner:
         least = max((plan.width for row, plan in zip(rows, fixed) if not row.adaptive), default=1)
         if least == 1 and self.steps - self.plain_at.get(len(rows), 0) >= self.explore_every:
             return [PLAIN] * len(rows)  # re-time the plain step: its figure may be old, or one bad step
-        matches = [
-            row.match(min(self.max_width, left) - 1) if row.adaptive else NO_MATCH for row, left in zip(rows, lefts)
-        ]
+        matches = [row.matches(min(self.max_width, left) - 1) if row.adaptive else [] for row, left in zip(rows, lefts)]
         expected = self._expected(rows)
         best, best_value = fixed, -1.0
         for width in range(least, self.max_width + 1):
@@ -199,15 +201,17 @@ class Planner:
 
         return expected
 
-    def _row_plan(self, row: Row, limit: int, match: Match, drafter: bool, expected) -> Plan:
+    def _row_plan(self, row: Row, limit: int, matches: list[Match], drafter: bool, expected) -> Plan:
         """The row's likeliest-accepted proposal of at most `limit` tokens verified."""
         limit = min(limit, row.block)
         if limit < 2:
             return PLAIN
         candidates = [Plan(limit, "dflash")] if drafter else []
-        if match:
-            longest = min(len(match.tokens) + 1, limit, row.copy_widths.get(f"lookup{match.length}", FIRST_COPY_WIDTH))
-            candidates.append(Plan(longest, "lookup", match.tokens[: longest - 1], match.length))
+        for match in matches:
+            if match:
+                kind = f"{match.source}{match.length}"
+                longest = min(len(match.tokens) + 1, limit, row.copy_widths.get(kind, limit))
+                candidates.append(Plan(longest, match.source, match.tokens[: longest - 1], match.length))
         return max(candidates, key=lambda plan: expected(row, plan), default=PLAIN)
 
     def _probes(self, rows: list[Row], lefts: list[int], plans: list[Plan], drafter: bool) -> list[Plan]:
@@ -258,11 +262,15 @@ class Planner:
                 continue
             for estimate in row.estimates.values():
                 estimate.age()
-            if plan.source == "lookup":
-                # a copy's width follows what copies of its kind just did: doubled after a full
-                # acceptance, cut to just past the accepted run otherwise (a wrong copy -> 2)
-                full = n == plan.width - 1
-                row.copy_widths[plan.kind] = min(self.max_width, 2 * plan.width) if full else n + 2
+            if plan.source in COPIES:
+                # once a copy of its kind went wrong, a copy's width follows what copies of its kind
+                # just did: cut to just past the accepted run (a wrong copy -> 2), doubled after each
+                # copy accepted whole
+                if n < plan.width - 1:
+                    row.copy_widths[plan.kind] = n + 2
+                elif plan.kind in row.copy_widths:
+                    cap = row.copy_widths[plan.kind]
+                    row.copy_widths[plan.kind] = min(self.max_width, max(cap, 2 * plan.width))
             if plan.width > 1:
                 self.estimate(row, plan.kind).observe(plan.width, n)
                 long_run = self._long_run(plan.kind)

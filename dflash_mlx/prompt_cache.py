@@ -8,8 +8,13 @@ leaves (its prompt + answer, engine.py).  A new prompt restores the snapshot sha
 longest prefix and prefills only the rest.  A snapshot is used whole when the new prompt
 extends its tokens (any cache kind, GatedDeltaNet states included); cut back to a shorter
 shared prefix only when every cache can be cut (plain KV caches, and a drafter context that
-has not dropped entries from a window).  The last prompt token is always prefilled, so the
-first generated token comes from a fresh pass.
+has not dropped entries from a window).  Where a cache cannot be cut (a hybrid target's
+recurrent state), snapshots are also taken every `snapshot_every` tokens along a prompt's
+prefill, as vLLM's hybrid prefix caching does, so a prompt that departs from an earlier one
+midway (a client re-rendering an old turn) restores the nearest one before it.  The last
+prompt token is always prefilled, so the first generated token comes from a fresh pass.
+Snapshots share their arrays with the caches they were taken from (MLX arrays are values: a
+deep copy is a new handle on the same memory, and a later write copies only what it writes).
 
 The disk tier (`folder`) holds the entries the RAM tier evicts, and every entry at `flush()`
 (a server's shutdown), as mlx-lm's prompt-cache safetensors files named by a hash of the model
@@ -63,8 +68,9 @@ class PromptCache:
         folder: Optional[Path] = None,
         disk_bytes: int = 8 << 30,
         fingerprint: str = "",
+        snapshot_every: int = 2048,
     ):
-        self.max_bytes = max_bytes
+        self.max_bytes, self.snapshot_every = max_bytes, snapshot_every
         self.entries: "OrderedDict[tuple[int, ...], Snapshot]" = OrderedDict()  # least recently used first
         self.trie = PromptTrie()
         self.disk = DiskTier(Path(folder), disk_bytes, fingerprint) if folder is not None else None
@@ -74,6 +80,11 @@ class PromptCache:
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
+
+    def snapshot_interval(self, target: TargetCache) -> Optional[int]:
+        """Tokens between snapshots along a prefill for caches like `target`'s: None when every
+        cache can be cut back (the last snapshot then serves any shorter shared prefix)."""
+        return None if all(isinstance(h, TrimmableKV) for h in target.handlers) else self.snapshot_every
 
     def fetch(self, prompt: list[int]):
         """(target cache, drafter context, tokens covered) restored for `prompt`, or None."""

@@ -1,5 +1,6 @@
 """One request's decoding state: its prompt and sampling, the noise of its output
-positions, the drafter's context of target features, its prompt lookup, its grammar, its
+positions, the drafter's context of target features, its prompt lookup (and the model's
+session-wide store of earlier answers), its grammar, its
 acceptance estimates and its statistics.  The step (engine.py) reads it and `record`s
 what each cycle committed."""
 
@@ -9,10 +10,11 @@ from typing import Optional
 import mlx.core as mx
 
 from .grammar import Grammar
-from .lookup import NO_MATCH, Match, PromptLookup
+from .lookup import Match, PromptLookup
 from .model import DecodeStats, DFlashModel, Step
 from .plan import Plan
 from .sampling import Noise, SamplingParams, new_seed, token_logprobs
+from .suffix import SuffixStore
 
 
 class Context:
@@ -58,11 +60,12 @@ class Request:
     adaptive: bool = False
     context: Optional[Context] = None
     lookup: Optional[PromptLookup] = None
+    suffixes: Optional[SuffixStore] = None  # the model's earlier answers (suffix.py)
     noise: Optional[Noise] = None
     constraint: object = None  # the grammar's state
     estimates: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate (plan.py)
     since_draft: int = 0
-    copy_widths: dict = field(default_factory=dict)  # lookup kind -> widest next proposal (plan.py)
+    copy_widths: dict = field(default_factory=dict)  # copy kind -> widest next proposal (plan.py)
     unfilled: list[int] = field(default_factory=list)  # prompt tokens still to prefill (all but the last)
     token: int = -1  # the last committed token (the prompt's last, until its first step)
     output: list[int] = field(default_factory=list)  # every committed token
@@ -76,6 +79,7 @@ class Request:
         if not self.params.greedy:
             self.noise = Noise(new_seed() if self.seed is None else self.seed, model.target.vocab_size)
         self.lookup = PromptLookup(self.prompt) if self.adaptive else None
+        self.suffixes = model.suffixes if self.adaptive else None
         self.constraint = self.grammar.start() if self.grammar is not None else None
         self.token = self.prompt[-1]
         if model.planner is not None:
@@ -94,9 +98,15 @@ class Request:
         """Prompt + max_tokens: the longest it can grow."""
         return len(self.prompt) + self.max_tokens
 
-    def match(self, limit: int) -> Match:
-        """The prompt lookup's proposal of up to `limit` tokens (no match without a lookup)."""
-        return self.lookup.propose(limit) if self.lookup is not None and limit > 0 else NO_MATCH
+    def matches(self, limit: int) -> list[Match]:
+        """The copies of up to `limit` tokens on offer: the prompt lookup's, and the session-wide
+        store's (none without a lookup)."""
+        if self.lookup is None or limit <= 0:
+            return []
+        found = [self.lookup.propose(limit)]
+        if self.suffixes is not None:
+            found.append(self.suffixes.propose(self.lookup.tokens, limit))
+        return found
 
     def noise_at(self, start: int, count: int) -> Optional[mx.array]:
         """(count, vocab) noise of output positions start.. (None when greedy)."""

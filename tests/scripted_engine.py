@@ -1,6 +1,7 @@
 """An engine batch replaced by a script (for the HTTP wiring's tests): each request is answered
 by the text pieces `reply(prompt)` gives, one piece per step."""
 
+import time
 from types import SimpleNamespace
 
 
@@ -47,4 +48,19 @@ def scripted_batch(reply):
         def remove(self, uid):
             self.running.pop(uid, None)
 
+        def close(self):
+            pass
+
     return ScriptedBatch
+
+
+def slow_batch(pieces: int, seconds_per_step: float):
+    """The scripted engine answering `pieces` pieces per request, each step taking `seconds_per_step`."""
+    base = scripted_batch(lambda prompt: [f"w{i} " for i in range(pieces)])
+
+    class Slow(base):
+        def next(self):
+            time.sleep(seconds_per_step)
+            return super().next()
+
+    return Slow

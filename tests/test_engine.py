@@ -213,3 +213,27 @@ def test_gemma4_unified_loads_as_gemma4_and_is_lossless():
     mx.eval(target.model.parameters())
     out, stats = dflash_greedy(target, random_draft(target, block_size=5), PROMPTS[0], block_size=5)
     assert out == plain_greedy(target, PROMPTS[0]) and len(stats.accepted_lengths) > 0
+
+
+def test_decoding_wires_memory_and_runs_on_the_generation_stream(monkeypatch, capsys):
+    """As mlx-lm's generation does: while a decode runs, the wired limit is the GPU's recommended
+    working set (restored after), a model larger than that set is warned about, and every step runs
+    on mlx-lm's generation stream; alone and in a batch.  Metal's facts are mocked (none here)."""
+    from mlx_lm.generate import generation_stream
+
+    from dflash_mlx.engine import Decoder
+
+    limits, streams, real_stream = [], [], mx.stream
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 1000})
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: limits.append(n) or 7)
+    monkeypatch.setattr(mx, "stream", lambda s: streams.append(s) or real_stream(s))
+    target = tiny_target("llama", seed=5)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    out = [t for s in decode(model, mx.array(PROMPTS[0]), SamplingParams(), 8) for t in s.tokens]
+    assert len(out) == 8 and limits == [1000, 7]  # raised to the recommended size, then restored
+    assert "close to the maximum recommended size" in capsys.readouterr().out  # tiny, but 1000 bytes is less
+    assert streams and all(s is generation_stream for s in streams)
+    decoder = Decoder(model, max_batch=2)
+    decoder.close()
+    decoder.close()  # twice is harmless
+    assert limits == [1000, 7, 1000, 7]

@@ -122,6 +122,21 @@ def test_emulated_gated_delta_tape_matches_mlx(B, T, HK, HV, DK, DV, emulator):
         assert relative_error(g, w) < TOLERANCE[mx.float32], name
 
 
+@pytest.mark.parametrize("HK,HV,DV", [(2, 4, 16), (1, 2, 40), (2, 2, 128)])
+def test_tape_reads_each_input_once_per_value_head(emulator, HK, HV, DV):
+    """One threadgroup per value head takes each step's q, k, v, g and beta into threadgroup
+    memory once for all of the head's value rows (the previous kernel, a simdgroup per row,
+    read q and k once per row: DV times); 40 rows leave some simdgroups a row short."""
+    inputs = tape_inputs(1, 6, HK, HV, 64, DV)
+    q, k, v, g, beta, state = inputs
+    run = emulate(kernels.gated_delta_tape_launch(*inputs))
+    for name, got, want in zip(("y", "state", "delta"), run.outputs, kernels.gated_delta_tape_mlx(*inputs)):
+        assert relative_error(got, want) < TOLERANCE[mx.float32], name
+    assert run.bytes_read["q"] == run.bytes_read["k"] == q.nbytes * (HV // HK)
+    assert run.bytes_read["v"] == v.nbytes and run.bytes_read["state_in"] == state.nbytes
+    assert run.bytes_read["g"] == g.nbytes and run.bytes_read["beta"] == beta.nbytes
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_emulated_gated_delta_tape_half_precision(dtype, emulator):
     inputs = tape_inputs(1, 8, 2, 4, 64, 16, dtype)
@@ -437,3 +452,17 @@ def test_metal_fused_attention_beats_concat_at_4k():
     fused = timed(lambda: kernels.run_metal(kernels.block_attention_launch(q, k, v, span, scale=0.088))[0])
     concat = timed(lambda: kernels.block_attention_mlx(q, k, v, span, scale=0.088))
     assert fused < concat, f"fused {fused * 1e3:.3f} ms vs concat+SDPA {concat * 1e3:.3f} ms"
+
+
+def test_mac_check_measures_the_verify_curve_and_decoding(mac_check, tiny_dirs):
+    """The Mac check's model tables, on a tiny pair here: the verify curve rises with the width
+    (a wider pass is never cheaper), and DFlash is compared with plain mlx-lm in both modes."""
+    from dflash_mlx import load
+
+    pair, tokenizer = load(str(tiny_dirs[0]), str(tiny_dirs[1]))
+    curve = mac_check.verify_curve(pair, context=64, widths=(1, 2, 4), repeats=2)
+    assert [w for w, *_ in curve] == [1, 2, 4] and curve[0][1] <= curve[1][1] <= curve[2][1]
+    assert curve[0][2] == 0 and 0 < curve[1][2] <= curve[2][2]
+    rows = mac_check.end_to_end(pair, tokenizer, prompts=3, max_tokens=8)
+    assert [r["mode"] for r in rows] == ["greedy", "sampled"]
+    assert all(r["plain_tps"] > 0 and r["dflash_tps"] > 0 and r["tau"] >= 1 for r in rows)

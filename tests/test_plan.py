@@ -32,8 +32,8 @@ class Row:
     since_draft: int = 0
     copy_widths: dict = field(default_factory=dict)
 
-    def match(self, limit: int) -> Match:
-        return Match(self.lookup.tokens[:limit], self.lookup.length) if self.lookup else NO_MATCH
+    def matches(self, limit: int) -> list[Match]:
+        return [Match(self.lookup.tokens[:limit], self.lookup.length, self.lookup.source)] if self.lookup else []
 
 
 def planner_with(rates, cost, max_width=16, kind="dflash", **kwargs) -> tuple[Planner, Row]:
@@ -158,24 +158,29 @@ def test_prompt_lookup_is_chosen_when_it_pays():
     assert best(planner, row) == PLAIN  # this text does not repeat what came before
     assert best(planner, row, lookup=Match((7, 8, 9), 4)).source == "lookup"  # longer matches keep their own record
     fluent, row = planner_with([0.99] * 16, cost, kind="lookup2")
-    assert best(fluent, row, lookup=Match(tuple(range(30)), 2)) == Plan(4, "lookup", tuple(range(3)), 2)
-    row.copy_widths["lookup2"] = 16  # copies of this kind accepted whole so far
-    assert best(fluent, row) == Plan(16, "lookup", tuple(range(15)), 2)
+    assert best(fluent, row, lookup=Match(tuple(range(30)), 2)) == Plan(16, "lookup", tuple(range(15)), 2)
     assert best(fluent, row, left=5).width == 5
+    row.copy_widths["lookup2"] = 4  # a copy of this kind went wrong earlier in this generation
+    assert best(fluent, row, left=100) == Plan(4, "lookup", tuple(range(3)), 2)
 
 
-def test_a_copy_widens_as_it_is_accepted_and_narrows_at_once_when_wrong():
-    """A lookup kind's proposals start at width 4, double with each copy accepted whole, and drop
-    to just past the accepted run when a copy goes wrong: a wrong copy is paid at width 2."""
+def test_a_wrong_copy_is_paid_once_and_a_faithful_one_never_held_back():
+    """A copy kind's proposals are as wide as its estimate says from the first; once one goes
+    wrong they drop to just past the accepted run (a wrong copy is then paid at width 2) and
+    double with each copy accepted whole; a short copy accepted whole does not narrow them."""
     planner, row = planner_with([0.99] * 16, cpu_like(), kind="lookup3")
     row.lookup = Match(tuple(range(40)), 3)
     widths = []
-    for accepted_whole in (True, True, True, False, False, True):
+    for accepted in ("whole", "whole", "none", "none", "whole", "whole", "whole", "2"):
         plan = best(planner, row)
         widths.append(plan.width)
-        run(planner, row, plan, plan.width - 1 if accepted_whole else 0)
-    assert widths == [4, 8, 16, 16, 2, 2]
+        run(planner, row, plan, {"whole": plan.width - 1, "none": 0, "2": 2}[accepted])
+    assert widths == [16, 16, 16, 2, 2, 4, 8, 16]
     assert best(planner, row).width == 4
+    row.lookup = Match((1, 2), 3)  # a short copy accepted whole
+    run(planner, row, best(planner, row), 2)
+    row.lookup = Match(tuple(range(40)), 3)
+    assert best(planner, row).width == 6
 
 
 def test_measured_step_times_correct_the_cost_model():

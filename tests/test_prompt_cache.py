@@ -3,9 +3,10 @@
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.engine import decode
+from dflash_mlx.engine import Decoder, decode
 from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.prompt_cache import PromptCache
+from dflash_mlx.request import Request
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import random_draft, tiny_target
 
@@ -56,6 +57,41 @@ def test_cached_prompts_decode_exactly_as_cold(model_type, overrides):
     assert (reused[3] == len(SYSTEM)) == kv_only and (reused[4] == 19) == kv_only
     params = SamplingParams(temp=0.8)
     assert run(model, turns[1], cache, params, seed=3)[0] == run(model, turns[1], None, params, seed=3)[0]
+
+
+def run_batched(model, prompts, cache):
+    """`prompts` decoded together in one batch: each one's tokens and cached prefix length."""
+    decoder = Decoder(model, cache, max_batch=len(prompts))
+    requests = [Request(list(prompt), 24) for prompt in prompts]
+    for request in requests:
+        decoder.add(request)
+    while decoder.busy:
+        decoder.step()
+    return [(request.output, request.stats.cached_tokens) for request in requests]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_hybrid_restores_the_nearest_snapshot_along_a_long_prompt(model_type, batched):
+    """A GatedDeltaNet state cannot be cut back: snapshots every `snapshot_every` tokens along a
+    prefill let a prompt that departs midway from an earlier one (a client re-rendering an old
+    turn) restore the last one before the departure, and decode exactly as cold."""
+    target = tiny_target(model_type, seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    cache = PromptCache(snapshot_every=16)
+    long = list(range(30, 100))
+    departed = long[:40] + [7, 8, 9]
+    if batched:
+        run_batched(model, [long, long[::-1]], cache)
+        (answer, cached), _ = run_batched(model, [departed, [5, 6, 7]], cache)
+    else:
+        run(model, long, cache)
+        answer, cached = run(model, departed, cache)
+    assert cached == 32  # the snapshot at 32 tokens; the one at 48 is past the departure
+    assert answer == run(model, departed)[0]
+    kv = PromptCache(snapshot_every=16)
+    run(DFlashModel(tiny_target("qwen3", seed=2)), long, kv)
+    assert len(kv.entries) == 2  # cuttable caches need none along the way: the prompt's and its answer's
 
 
 def test_the_cache_stays_within_its_bytes():

@@ -35,7 +35,7 @@ class GenerationResponse:
     acceptance_histogram: list[int]  # [k-1] = cycles that committed k tokens
     block_size: int
     widths: list[int]  # verify width of each cycle so far (1 = plain decoding)
-    sources: list[str]  # what proposed each cycle so far: "plain", "dflash" or "lookup" (prompt lookup)
+    sources: list[str]  # what proposed each cycle so far: "plain", "dflash", "lookup" (prompt lookup) or "suffix"
     adaptive: bool = False  # the width was chosen per cycle
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache
     logprobs: Optional[list[TokenLogprob]] = None  # of `tokens`, when stream_generate was asked for them
@@ -324,6 +324,10 @@ class BatchGenerator:
         self.decoder.remove(uid)
         self.responses.pop(uid, None)
 
+    def close(self) -> None:
+        """Done with it: the wired memory limit as it was (engine.Decoder.close)."""
+        self.decoder.close()
+
     def next(self) -> list[tuple[int, GenerationResponse]]:
         """One batch step: (uid, response) of every request that committed tokens."""
         self.last_step = self.decoder.step()
@@ -359,12 +363,15 @@ def batch_generate(
     texts, last = {uid: "" for uid in uids}, {}
     with progress(enabled=verbose) as bar:
         task = add_task(bar, "batch", len(uids))
-        while gen.busy:
-            for uid, response in gen.next():
-                texts[uid] += response.text
-                last[uid] = response
-                if response.finish_reason:
-                    bar.advance(task)
+        try:
+            while gen.busy:
+                for uid, response in gen.next():
+                    texts[uid] += response.text
+                    last[uid] = response
+                    if response.finish_reason:
+                        bar.advance(task)
+        finally:
+            gen.close()
     return BatchResponse([texts[uid] for uid in uids], [last[uid] for uid in uids])
 
 
@@ -400,10 +407,11 @@ def format_stats(r: GenerationResponse, model: DFlashModel) -> str:
         hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(r.acceptance_histogram) if n)
         lines.append(f"DFlash: block {r.block_size}, tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}")
         if r.adaptive and r.widths:
-            kinds = {s: r.sources.count(s) for s in ("dflash", "lookup", "plain")}
+            kinds = {s: r.sources.count(s) for s in ("dflash", "lookup", "suffix", "plain")}
             lines.append(
                 f"Adaptive: mean width {sum(r.widths) / len(r.widths):.1f}; cycles: {kinds['dflash']} drafted, "
-                f"{kinds['lookup']} prompt lookup, {kinds['plain']} plain (predicted fastest there)"
+                f"{kinds['lookup']} prompt lookup, {kinds['suffix']} copied from earlier answers, "
+                f"{kinds['plain']} plain (predicted fastest there)"
             )
     else:
         lines.append(f"DFlash: off ({model.draft_note or 'no drafter'}), plain target decoding")

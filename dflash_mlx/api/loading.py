@@ -17,6 +17,7 @@ from ..io.progress import console
 from ..io.storage import cache_dir, fetch
 from ..model import DFlashModel
 from ..plan import Planner
+from ..suffix import SuffixStore
 from ..target import Target
 
 
@@ -36,7 +37,8 @@ def load(
     `draft` overrides the drafter the registry pairs with `model`;
     `use_draft=False` loads the target alone (plain decoding, same loop);
     `adaptive` picks the verify width per cycle from this machine's measured
-    cost curve (measured once per model and machine, then cached);
+    cost curve (measured once per model and machine, then cached), and copies
+    from the prompt and from the model's earlier answers where they pay;
     `distributed="pipeline"` (under mlx.launch) splits the target's layers over
     the ranks (`split`: layers per rank, rank 0 first; collective waits bounded
     by `timeout` seconds): rank 0 gets the drafter and drives, the other ranks
@@ -88,7 +90,8 @@ def load(
     fingerprint = f"{target_path.name}-{target.dtype}-{_fingerprint(target_path)}"
     if drafter is not None:
         fingerprint += f"-{_fingerprint(draft_path)}"
-    return DFlashModel(target, drafter, note, planner, fingerprint), tokenizer
+    suffixes = SuffixStore() if planner is not None else None  # read by adaptive requests only
+    return DFlashModel(target, drafter, note, planner, fingerprint, suffixes), tokenizer
 
 
 _said: set[str] = set()  # one-line notices already printed by this process

@@ -31,7 +31,7 @@ from .guard import Guard
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
 from .protocol import RequestError, number
-from .worker import DONE, Job, QueueFull, Worker
+from .worker import DONE, Draining, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
 MAX_BATCH_TOKENS = 32768  # 8 rows of 4k tokens; a longer request runs alone
@@ -77,6 +77,7 @@ class Server:
             self.max_batch_tokens,
         )
         self.context = context
+        self.draining = False  # stopping: new requests get 503
         self.openai, self.anthropic = OpenAIAPI(self), AnthropicAPI(self)
         access = access or {}
         origins = list(access.get("cors_origins", ()))  # their browsers' preflights answered
@@ -97,6 +98,12 @@ class Server:
             lifespan=self._lifespan,
         )
         self.app = Guard(routes, self._refused_early, **access)
+
+    def drain(self, seconds: float) -> None:
+        """Stop gracefully: new requests get 503, running ones finish for up to `seconds` and are
+        then ended as if at their max_tokens; returns once the engine has stopped."""
+        self.draining = True
+        self.worker.drain(seconds)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -146,8 +153,8 @@ class Server:
         )
 
     async def health(self, request: Request) -> JSONResponse:
-        ok = self.worker.alive
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+        status = "draining" if self.draining else "ok" if self.worker.alive else "unavailable"
+        return JSONResponse({"status": status}, 200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> PlainTextResponse:
         if self.prompt_cache is not None:
@@ -192,15 +199,20 @@ class Server:
     async def start(self, prompt: list[int], max_tokens: int, options: dict) -> tuple[Job, Any]:
         """Queue a generation; its first response.  A request the engine refuses before any
         token (too long for the context, say) raises RequestError: a 4xx, not a broken stream."""
+        if self.draining:
+            raise RequestError(str(Draining()), 503)
         job = Job(prompt, max_tokens, options)
         try:
             self.worker.submit(job)
         except QueueFull as e:
             raise RequestError(str(e), 429, code="queue_full") from None
+        except Draining as e:
+            raise RequestError(str(e), 503) from None
         first = await anyio.to_thread.run_sync(job.events.get)
         if isinstance(first, Exception):
             await anyio.to_thread.run_sync(job.events.get)  # DONE
-            raise RequestError(str(first), 400 if isinstance(first, (ValueError, TypeError)) else 500)
+            status = 503 if isinstance(first, Draining) else 400 if isinstance(first, (ValueError, TypeError)) else 500
+            raise RequestError(str(first), status)
         return job, first
 
     async def events(self, job: Job, first) -> AsyncIterator:
@@ -260,10 +272,27 @@ def batch_refusal(model) -> Optional[str]:
     return model.target.batch_refusal()
 
 
-def run(server: Server, host: str = "127.0.0.1", port: int = 8080) -> None:
+def run(server: Server, host: str = "127.0.0.1", port: int = 8080, drain_seconds: float = 10.0) -> None:
+    """Serve until SIGTERM or Ctrl-C, then drain (Server.drain) and return; a second signal
+    stops at once.  The signal is not re-raised: a drained server exits 0."""
+    import threading
+
     import uvicorn
 
-    uvicorn.run(server.app, host=host, port=port, log_level="warning")
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if server.draining:
+                self.should_exit = self.force_exit = True
+                return
+            server.draining = True  # before the thread starts: no request slips in
+
+            def drain_then_exit():
+                server.drain(drain_seconds)
+                self.should_exit = True
+
+            threading.Thread(target=drain_then_exit, name="dflash-drain", daemon=True).start()
+
+    Draining(uvicorn.Config(server.app, host=host, port=port, log_level="warning")).run()
 
 
 def serve_in_background(server: Server, host: str = "127.0.0.1"):

@@ -179,6 +179,7 @@ def decoding_stats(last) -> dict:
         "acceptance_histogram": last.acceptance_histogram,
         "draft_cycles": last.sources.count("dflash"),
         "lookup_cycles": last.sources.count("lookup"),
+        "suffix_cycles": last.sources.count("suffix"),
         "plain_cycles": last.sources.count("plain"),
         "block_size": last.block_size,
         "generation_tps": round(last.generation_tps, 2),

@@ -4,11 +4,15 @@ The HTTP side puts a Job in a bounded queue (full: the caller answers 429) and
 reads the job's events.  The Worker decodes up to `max_batch` jobs together
 (api.BatchGenerator; one at a time where the target cannot batch, e.g. the
 pipeline-parallel mode): a job joins between steps, and leaves when it finishes or
-its `cancelled` is set (a client gone), freeing its row for the next.
+its `cancelled` is set (a client gone), freeing its row for the next.  `drain` ends it
+gracefully: no new jobs, the running ones finish (or are cut at a deadline, ending as if at
+their max_tokens).
 """
 
+import copy
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -32,6 +36,13 @@ class QueueFull(Exception):
     pass
 
 
+class Draining(Exception):
+    """The server is stopping: a job it will not start."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down; send the request again once it is back")
+
+
 class Worker:
     """Up to `max_batch` jobs decoded together on the engine thread; `on_step(size, width)`
     after each step, `on_finish(last response, cancelled)` when a job ends."""
@@ -53,6 +64,9 @@ class Worker:
         self.batch = BatchGenerator(model, tokenizer, max_batch, prompt_cache, max_batch_tokens)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
         self._stopping = False
+        self._deadline: Optional[float] = None  # draining: when running jobs are cut
+        self._closing = threading.Lock()
+        self._closed = False  # the engine thread has ended: a job submitted now is refused
         self.on_finish = on_finish  # called with the last GenerationResponse of each finished job
         self._thread = threading.Thread(target=self._thread_main, name="dflash-engine", daemon=True)
         self._thread.start()
@@ -66,10 +80,13 @@ class Worker:
         return self._thread.is_alive()
 
     def submit(self, job: Job) -> Job:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self.jobs.maxsize} requests are already waiting; retry later") from None
+        with self._closing:
+            if self._closed or self._deadline is not None:
+                raise Draining()
+            try:
+                self.jobs.put_nowait(job)
+            except queue.Full:
+                raise QueueFull(f"{self.jobs.maxsize} requests are already waiting; retry later") from None
         return job
 
     def stop(self) -> None:
@@ -81,6 +98,17 @@ class Worker:
             pass
         self._thread.join(timeout=30)
 
+    def drain(self, seconds: float) -> None:
+        """Start no more jobs (waiting ones get Draining), let the running ones finish for up to
+        `seconds`, then end them as if they had reached their max_tokens; returns once the
+        engine thread has ended."""
+        self._deadline = time.monotonic() + seconds
+        try:
+            self.jobs.put_nowait(None)  # wakes an idle engine thread
+        except queue.Full:
+            pass
+        self._thread.join(timeout=seconds + 30)
+
     def _finished(self, job: Job, last, cancelled: bool) -> None:
         job.events.put(DONE)
         if self.on_finish is not None and last is not None:
@@ -90,6 +118,10 @@ class Worker:
         try:
             self._run()
         finally:
+            with self._closing:  # no job is left waiting for an engine that has gone
+                self._closed = True
+                self._refuse_waiting()
+            self.batch.close()
             # MLX keeps streams per thread; a thread that ran compiled functions and leaves
             # its streams behind aborts the process at exit ("terminate called without an
             # active exception", MLX 0.32)
@@ -101,6 +133,8 @@ class Worker:
 
     def _run(self) -> None:
         while not self._stopping:
+            if self._deadline is not None and self._drained():
+                return
             if not self._admit():
                 return
             self._drop_cancelled()
@@ -122,15 +156,16 @@ class Worker:
                     self._finished(job, response, cancelled=False)
 
     def _admit(self) -> bool:
-        """Take waiting jobs while there is room (blocking when idle); False when stopping."""
-        while len(self.active) < self.max_batch:
+        """Take waiting jobs while there is room (blocking when idle) and the worker is not
+        draining; False when stopping."""
+        while len(self.active) < self.max_batch and self._deadline is None:
             try:
                 job = self.jobs.get(block=not self.active)
             except queue.Empty:
                 return True
-            if job is None or self._stopping:
+            if self._stopping:
                 return False
-            if job.cancelled.is_set():
+            if job is None or job.cancelled.is_set():  # None: a wake-up
                 continue
             try:
                 uid = self.batch.insert(job.prompt, job.max_tokens, **job.options)
@@ -140,6 +175,35 @@ class Worker:
                 continue
             self.active[uid] = (job, None)
         return True
+
+    def _drained(self) -> bool:
+        """Draining: waiting jobs refused, running ones cut once the deadline is past; True when
+        nothing runs any more."""
+        self._refuse_waiting()
+        if self.active and time.monotonic() >= self._deadline:
+            for uid, (job, last) in list(self.active.items()):
+                self.batch.remove(uid)
+                del self.active[uid]
+                if last is None:  # nothing out yet: refused as a waiting job is
+                    job.events.put(Draining())
+                    job.events.put(DONE)
+                    continue
+                end = copy.copy(last)
+                end.text, end.tokens, end.accepted, end.logprobs = "", [], 0, None
+                end.stop_sequence, end.finish_reason = None, "length"
+                job.events.put(end)
+                self._finished(job, end, cancelled=False)
+        return not self.active
+
+    def _refuse_waiting(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.events.put(Draining())
+                job.events.put(DONE)
 
     def _drop_cancelled(self) -> None:
         for uid, (job, last) in list(self.active.items()):
