@@ -290,9 +290,13 @@ class Decoder:
 
     def _enter(self, rows: list[Request], tcaches: list[TargetCache]) -> None:
         """Rows holding all of their prompt but its last token join the decoding rows (the last
-        token is their first step's, as in a decode step); what was prefilled is kept for reuse."""
+        token is their first step's, as in a decode step); a long prefill is kept for reuse."""
         for row, tcache in zip(rows, tcaches):
-            if self.prompt_cache is not None and row.stats.cached_tokens < len(row.prompt) - 1:
+            # kept now when much was prefilled (other requests may share it before this one ends)
+            # or when the state after the answer cannot be cut back to it (a retried prompt); else
+            # that state, kept when the row leaves, serves the next turn and a retry alike
+            prefilled = len(row.prompt) - 1 - row.stats.cached_tokens
+            if self.prompt_cache is not None and (prefilled >= PREFILL_STEP or self.snapshot_every):
                 self.prompt_cache.store(row.prompt[:-1], tcache, row.context.flush())
         self.cache = self._settled(self._joined(self.cache, tcaches))
         self.rows += rows

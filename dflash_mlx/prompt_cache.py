@@ -3,8 +3,9 @@ prompt, an agent's many requests): snapshots of the target caches and the drafte
 context, looked up by a token trie (mlx-lm's PromptTrie), in an LRU bounded in bytes, and
 optionally in a folder on disk that survives a restart.
 
-Snapshots are taken after prefilling all of a prompt but its last token, and when a request
-leaves (its prompt + answer, engine.py).  A new prompt restores the snapshot sharing its
+Snapshots are taken when a request leaves (its prompt + answer, engine.py), and after
+prefilling all of a prompt but its last token when that prefill was long or the caches cannot
+be cut back.  A new prompt restores the snapshot sharing its
 longest prefix and prefills only the rest.  A snapshot is used whole when the new prompt
 extends its tokens (any cache kind, GatedDeltaNet states included); cut back to a shorter
 shared prefix only when every cache can be cut (plain KV caches, and a drafter context that
