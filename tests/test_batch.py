@@ -1,7 +1,6 @@
 """Batched DFlash decoding: every request's output equals what it gets alone, on every family."""
 
 import random
-import time
 from collections import Counter
 
 import mlx.core as mx
@@ -21,7 +20,7 @@ from dflash_mlx.prompt_cache import PromptCache
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import BatchTargetCache
 from test_engine import MODEL_TYPES, PROMPTS, plain_greedy
-from tiny_models import random_dflash2, random_draft, rows_oracle_draft, tiny_target
+from tiny_models import Clock, random_dflash2, random_draft, rows_oracle_draft, tiny_target
 
 BATCH_FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"]
 
@@ -322,21 +321,25 @@ def assert_settles_plain(shapes: list) -> None:
 
 
 class WideIsSlow:
-    """A target whose verify passes really cost 20 ms per extra token (what a CPU does to a
-    batch), whatever the cost curve says."""
+    """A target whose verify passes take 10 ms plus 20 ms per token past each row's first on
+    `clock` (what a CPU does to a batch), whatever the cost curve says; the decoder reads that
+    clock, so the test runs at the tiny target's own speed."""
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, clock: Clock):
+        self.target, self.clock = target, clock
 
     def __getattr__(self, name):
         return getattr(self.target, name)
 
     def __call__(self, tokens, *args, **kwargs):
-        out = self.target(tokens, *args, **kwargs)
-        if tokens.shape[1] > 1 and not kwargs.get("logits_for_last_only"):
-            mx.eval(out[0])
-            time.sleep(0.02 * (tokens.shape[1] - 1))
-        return out
+        if not kwargs.get("logits_for_last_only"):  # prefill passes are not what is judged
+            self.clock.now += 0.01 + 0.02 * (tokens.shape[1] - 1)
+        return self.target(tokens, *args, **kwargs)
+
+
+def slow_wide(target) -> tuple[WideIsSlow, Clock]:
+    clock = Clock(None)
+    return WideIsSlow(target, clock), clock
 
 
 @pytest.mark.parametrize("per_token, drafts", [(0.0, True), (1.0, False)])
@@ -346,10 +349,9 @@ def test_the_batch_width_follows_the_cost_curve(per_token, drafts):
     is exact either way."""
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 30)
-    model = DFlashModel(
-        target if drafts else WideIsSlow(target), oracle, planner=Planner(cost_model(per_token), 6, prior=0.8)
-    )
-    shapes = decode_all(Decoder(model), references)
+    slow, clock = slow_wide(target)
+    model = DFlashModel(target if drafts else slow, oracle, planner=Planner(cost_model(per_token), 6, prior=0.8))
+    shapes = decode_all(Decoder(model, clock=None if drafts else clock), references)
     if drafts:
         assert any(width > 1 for _, width in shapes)
     else:
@@ -414,8 +416,9 @@ def test_the_batch_learns_what_its_steps_really_cost():
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 30)
     flat = CostModel([1, 2, 4, 8, 16], [0.01] * 5, draft_seconds=0.0005)
-    model = DFlashModel(WideIsSlow(target), oracle, planner=Planner(flat, 6, prior=0.8))
-    shapes = decode_all(Decoder(model), references)
+    slow, clock = slow_wide(target)
+    model = DFlashModel(slow, oracle, planner=Planner(flat, 6, prior=0.8))
+    shapes = decode_all(Decoder(model, clock=clock), references)
     assert any(width > 1 for _, width in shapes[:4])
     assert_settles_plain(shapes)
 
@@ -432,7 +435,8 @@ def test_a_plain_step_judged_too_dear_is_timed_again():
         for width in range(2, 7):
             times.observe(rows, width, modelled=1.0, seconds=0.01)
     planner = Planner(cost_model(1.0), 6, prior=0.8, explore_every=8, step_times=times)
-    shapes = decode_all(Decoder(DFlashModel(WideIsSlow(target), oracle, planner=planner)), references, 40)
+    slow, clock = slow_wide(target)
+    shapes = decode_all(Decoder(DFlashModel(slow, oracle, planner=planner), clock=clock), references, 40)
     three = [width for size, width in shapes if size == 3]
     first_plain = three.index(1)
     assert first_plain <= 8 and three[first_plain:].count(1) >= 0.8 * len(three[first_plain:])
