@@ -92,13 +92,16 @@ class PromptCache:
         usable = list(prompt[: len(prompt) - 1])  # the last token is always prefilled
         found = self._nearest(usable)
         if self.disk is not None:
-            stored = self.disk.nearest(usable)
-            if stored is not None and stored[1] > (found[1] if found else 0):
-                tokens, shared = stored
+            for tokens, shared in self.disk.candidates(usable):
+                if shared <= (found[1] if found else 0):
+                    continue
                 entry = self.disk.read(tokens)
-                if entry is not None:
-                    self._insert(entry)
+                if entry is None:
+                    continue
+                self._insert(entry)
+                if shared == len(entry.tokens) or _cuttable(entry):
                     found = (entry, shared)
+                    break
         if found is None:
             return None
         best, shared = found
@@ -206,14 +209,22 @@ class DiskTier:
             return None
         return meta if meta.get("fingerprint") == self.fingerprint else None
 
-    def nearest(self, usable: list[int]) -> Optional[tuple[tuple, int]]:
-        """The stored tokens that are the longest prefix of `usable`, and their length (files are
-        used whole: a cut needs the whole file read first, which a RAM entry then serves)."""
+    def candidates(self, usable: list[int]) -> list[tuple[tuple, int]]:
+        """Stored entries worth reading for `usable`, best first, with the tokens each shares
+        with it: one extending past their common prefix (usable when its caches can be cut back:
+        a session's state after an answer serves its prompt asked again), then the longest that
+        is a prefix of `usable`."""
         if not usable or not self.index:
-            return None
+            return []
         result = self.trie.search(MODEL, usable)
-        found = result.exact if result.exact is not None else result.shorter
-        return (tuple(found), len(found)) if found else None
+        if result.exact is not None:
+            return [(tuple(result.exact), len(usable))]
+        found = []
+        if result.longer is not None and result.common_prefix > len(result.shorter or ()):
+            found.append((tuple(result.longer), result.common_prefix))
+        if result.shorter:
+            found.append((tuple(result.shorter), len(result.shorter)))
+        return found
 
     def read(self, tokens: tuple) -> Optional[Snapshot]:
         path = self.index.get(tokens)

@@ -178,6 +178,10 @@ def test_entries_on_disk_survive_a_restart_and_restore_exactly(model_type, overr
     warm, cached = run(model, follow_up, restarted)
     assert cached == len(SYSTEM) + len(answer) - 1
     assert warm == run(model, follow_up)[0]
+    # the first prompt asked again after a restart: the state after its answer, cut back to it
+    again = PromptCache(folder=tmp_path, fingerprint="pair-a")
+    repeated, cached = run(model, SYSTEM, again)
+    assert repeated == answer and cached == len(SYSTEM) - 1  # hybrids: the prompt's own state, kept at join
     # another model's cache in the same folder is passed over, not read
     assert run(model, follow_up, PromptCache(folder=tmp_path, fingerprint="pair-b"))[1] == 0
 
