@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -181,6 +182,17 @@ def current_rss_mb(pid: int) -> float:
     return 0.0
 
 
+def report(lines: list[str], out, name: str, data: Optional[dict] = None) -> None:
+    """Print `lines`; with `out`, write them to out/name (and `data` to out/results.json)."""
+    print("\n".join(lines))
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        if data is not None:
+            (out / "results.json").write_text(json.dumps(data, indent=1))
+        (out / name).write_text("\n".join(lines) + "\n")
+
+
 def soak(count: int, turns: int, max_tokens: int, out) -> None:
     """`count` sessions in a row against ours: its RSS after each, flat after the fifth?"""
     from dflash_mlx.bench.harness import machine
@@ -203,12 +215,7 @@ def soak(count: int, turns: int, max_tokens: int, out) -> None:
         f"{count} sessions of {turns} turns in a row: RSS after session 5 {base:.0f} MB, after session {count} "
         f"{rss[-1]:.0f} MB ({100 * (rss[-1] / base - 1):+.1f}%), largest after session 5 {max(rss[4:] or rss):.0f} MB",
     ]
-    print("\n".join(lines))
-    if out:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"rss_mb": rss}, indent=1))
-        (out / "results.md").write_text("\n".join(lines) + "\n")
+    report(lines, out, "results.md", {"rss_mb": rss})
 
 
 def restart(turns: int, max_tokens: int, out) -> None:
@@ -238,11 +245,7 @@ def restart(turns: int, max_tokens: int, out) -> None:
         f"the first turn again after a restart on the folder: {first[1][0]:.2f} s "
         f"({first[1][0] / warm:.2f}x the warm median)",
     ]
-    print("\n".join(lines))
-    if out:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "restart.md").write_text("\n".join(lines) + "\n")
+    report(lines, out, "restart.md")
 
 
 def run_level(replay, port: int, chosen: list[dict], max_tokens: int) -> dict:

@@ -86,7 +86,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_dirs, tmp_path, drain):
     finish_reason "length"; with time, it ends whole.  Exit 0 either way, and the prompt-cache
     folder holds whole entries only."""
     openai = pytest.importorskip("openai", reason="the dev extra installs the openai client")
-    from test_serve import free_port, raw
+    from test_serve import free_port, wait_healthy
 
     from dflash_mlx import generate, load
 
@@ -98,12 +98,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_dirs, tmp_path, drain):
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     try:
-        for _ in range(600):
-            try:
-                if raw(port, "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.1)
+        wait_healthy(port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         asked = 3000 if drain == "0" else 200
         stream = client.completions.create(model="tiny", prompt="the cat", max_tokens=asked, stream=True)

@@ -39,6 +39,16 @@ def served(tiny_dirs):
     http.should_exit = True
 
 
+def wait_healthy(port: int, attempts: int = 600) -> None:
+    """Until a server starting on `port` answers /health with 200 (or `attempts` tries are spent)."""
+    for _ in range(attempts):
+        try:
+            if raw(port, "/health")[0] == 200:
+                return
+        except OSError:
+            time.sleep(0.1)
+
+
 def raw(port: int, path: str, body: bytes | None = None, content_type="application/json"):
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", data=body, headers={"Content-Type": content_type} if body is not None else {}
@@ -328,12 +338,7 @@ def test_the_command_serves_and_stops_cleanly_on_ctrl_c(tiny_dirs):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        for _ in range(600):
-            try:
-                if raw(port, "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.1)
+        wait_healthy(port)
         local = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         # the served id is the --model value; its folder name is accepted too
         assert local.completions.create(model=model_dir.name, prompt="hi", max_tokens=3).choices[0].text is not None
