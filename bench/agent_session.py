@@ -7,10 +7,11 @@ Anthropic Messages API, streamed); mlx_lm.server through the OpenAI API with the
 which both render to the same prompt with the model's chat template.  Each session runs on each
 server in turn (theirs, then ours), one session alone and `--together` sessions at once; reported
 per server: time to first token per turn (medians over sessions), whole-session time, decode tok/s,
-the server's peak RSS, and whether the answers are equal.  The sessions are written here (never
+the server's peak RSS, and whether the answers are equal.  With `--reps`, each level runs that many
+times on fresh servers, the servers taking turns to go first; medians over the reps.  The sessions are written here (never
 benchmark prompts).
 
-    python bench/agent_session.py --turns 5 --together 4 --out bench/results/agent-session
+    python bench/agent_session.py --turns 5 --together 4 --reps 3 --out bench/results/agent-session
 
 `--restart` replays one session against ours with a `--prompt-cache-dir`, stops the server, starts it
 again on the folder and asks the session's first turn again (its TTFT against the warm turns').
@@ -254,9 +255,67 @@ def run_level(replay, port: int, chosen: list[dict], max_tokens: int) -> dict:
         results = list(pool.map(lambda s: replay(port, s, max_tokens), chosen))
     wall = time.perf_counter() - tic
     turns = max(len(r) for r in results)
-    ttft = [median(r[t]["ttft"] for r in results if t < len(r)) for t in range(turns)]
+    ttft = [[r[t]["ttft"] for r in results if t < len(r)] for t in range(turns)]
     decode = sum(t["tokens"] for r in results for t in r) / sum(t["seconds"] - t["ttft"] for r in results for t in r)
     return dict(session_seconds=wall, ttft=ttft, decode_tok_s=decode, texts=[[t["text"] for t in r] for r in results])
+
+
+SERVERS = {"mlx_lm.server": replay_theirs, "dflash-mlx": replay_ours}
+
+
+def run_rep(together: int, turns: int, max_tokens: int, ours_first: bool) -> tuple[dict, dict]:
+    """The sessions on fresh servers (no state carried over), one server after the other:
+    each server's run and peak RSS."""
+    from dflash_mlx.convert.smollm2 import smollm2_path
+
+    (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), max(together, 2))
+    ports = {"mlx_lm.server": theirs_port, "dflash-mlx": ours_port}
+    try:
+        chosen = sessions(together, turns)
+        runs = {}
+        for name in sorted(SERVERS, reverse=not ours_first):  # "dflash-mlx" sorts first
+            runs[name] = run_level(SERVERS[name], ports[name], chosen, max_tokens)
+            print(
+                f"{together} session(s), {name}: {runs[name]['session_seconds']:.1f} s, TTFT per turn "
+                f"{' '.join(f'{median(t):.2f}' for t in runs[name]['ttft'])} s, decode "
+                f"{runs[name]['decode_tok_s']:.1f} tok/s",
+                flush=True,
+            )
+        return runs, {"mlx_lm.server": rss_mb(theirs.pid), "dflash-mlx": rss_mb(ours.pid)}
+    finally:
+        for process in (ours, theirs):
+            process.terminate()
+            process.wait(timeout=60)
+
+
+def summary(reps: list[dict]) -> dict:
+    """One level's reps: per server the median session time, decode tok/s and each turn's TTFT
+    (over sessions and reps); the speedups (theirs / ours session time) of each rep; answers equal in all."""
+    out = {"speedups": [r["mlx_lm.server"]["session_seconds"] / r["dflash-mlx"]["session_seconds"] for r in reps]}
+    for name in SERVERS:
+        runs = [r[name] for r in reps]
+        out[name] = dict(
+            session_seconds=median(run["session_seconds"] for run in runs),
+            decode_tok_s=median(run["decode_tok_s"] for run in runs),
+            ttft=[median(t for run in runs for t in run["ttft"][turn]) for turn in range(len(runs[0]["ttft"]))],
+        )
+    out["equal_answers"] = all(r["dflash-mlx"]["texts"] == r["mlx_lm.server"]["texts"] for r in reps)
+    return out
+
+
+def plot_ttft(levels: dict, out: Path) -> None:
+    from dflash_mlx.bench.plots import _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 3.5), squeeze=False)
+    for ax, (together, level) in zip(axes[0], levels.items()):
+        for name in SERVERS:
+            ax.plot(range(1, len(level[name]["ttft"]) + 1), level[name]["ttft"], marker="o", label=name)
+        ax.set(title=f"{together} session(s) at once", xlabel="turn", ylabel="time to first token (s)")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_per_turn.png", dpi=120)
 
 
 def main():
@@ -264,6 +323,7 @@ def main():
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--together", type=int, default=4, help="sessions at once in the second level")
     parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--reps", type=int, default=1, help="runs of each level on fresh servers, in turn first")
     parser.add_argument("--out", default=None, help="folder for results.json, results.md and the TTFT plot")
     parser.add_argument("--soak", type=int, default=0, help="instead: this many sessions in a row against ours")
     parser.add_argument(
@@ -280,46 +340,33 @@ def main():
     if args.restart:
         return restart(args.turns, args.max_tokens, args.out)
     from dflash_mlx.bench.harness import machine
-    from dflash_mlx.convert.smollm2 import smollm2_path
 
-    levels, peak = {}, {}
-    for together in sorted({1, args.together}):  # fresh servers per level: no state carried from the level before
-        (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), max(together, 2))
-        try:
-            chosen = sessions(together, args.turns)
-            level = {}
-            for name, replay, port in (
-                ("mlx_lm.server", replay_theirs, theirs_port),
-                ("dflash-mlx", replay_ours, ours_port),
-            ):
-                level[name] = run_level(replay, port, chosen, args.max_tokens)
-                print(
-                    f"{together} session(s), {name}: {level[name]['session_seconds']:.1f} s, TTFT per turn "
-                    f"{' '.join(f'{t:.2f}' for t in level[name]['ttft'])} s, decode "
-                    f"{level[name]['decode_tok_s']:.1f} tok/s",
-                    flush=True,
-                )
-            level["equal_answers"] = level["dflash-mlx"]["texts"] == level["mlx_lm.server"]["texts"]
-            levels[together] = level
-            peak[together] = {"mlx_lm.server": rss_mb(theirs.pid), "dflash-mlx": rss_mb(ours.pid)}
-        finally:
-            for process in (ours, theirs):
-                process.terminate()
-                process.wait(timeout=60)
+    levels, peak, raw = {}, {}, {}
+    for together in sorted({1, args.together}):
+        reps = [run_rep(together, args.turns, args.max_tokens, ours_first=rep % 2 == 1) for rep in range(args.reps)]
+        raw[together] = [runs for runs, _ in reps]
+        levels[together] = summary(raw[together])
+        peak[together] = {name: max(rss[name] for _, rss in reps) for name in SERVERS}
     lines = [
         f"Machine: {machine()}",
         f"Command: python {' '.join(sys.argv)}",
         "",
-        "| sessions at once | server | session s | speedup | TTFT per turn (s, median over sessions) | "
+        f"Medians over {args.reps} rep(s), each on fresh servers, the two servers in turn first.",
+        "",
+        "| sessions at once | server | session s | speedup (reps) | TTFT per turn (s, median over sessions and reps) | "
         "decode tok/s | answers equal |",
         "|---|---|---|---|---|---|---|",
     ]
     for together, level in levels.items():
-        base = level["mlx_lm.server"]["session_seconds"]
-        for name in ("mlx_lm.server", "dflash-mlx"):
+        for name in SERVERS:
             row = level[name]
+            speedup = (
+                f"{median(level['speedups']):.2f}x ({', '.join(f'{x:.2f}' for x in level['speedups'])})"
+                if name == "dflash-mlx"
+                else "1.00x"
+            )
             lines.append(
-                f"| {together} | {name} | {row['session_seconds']:.1f} | {base / row['session_seconds']:.2f}x | "
+                f"| {together} | {name} | {row['session_seconds']:.1f} | {speedup} | "
                 f"{' / '.join(f'{t:.2f}' for t in row['ttft'])} | {row['decode_tok_s']:.1f} | "
                 f"{'yes' if level['equal_answers'] else 'no'} |"
             )
@@ -328,24 +375,9 @@ def main():
             f"\nPeak RSS at {together} session(s): mlx_lm.server {rss['mlx_lm.server']:.0f} MB, "
             f"dflash-mlx {rss['dflash-mlx']:.0f} MB"
         )
-    print("\n".join(lines))
+    report(lines, args.out, "results.md", {"levels": levels, "reps": raw, "peak_rss_mb": peak})
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"levels": levels, "peak_rss_mb": peak}, indent=1))
-        (out / "results.md").write_text("\n".join(lines) + "\n")
-        from dflash_mlx.bench.plots import _pyplot
-
-        plt = _pyplot()
-        fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 3.5), squeeze=False)
-        for ax, (together, level) in zip(axes[0], levels.items()):
-            for name in ("mlx_lm.server", "dflash-mlx"):
-                ax.plot(range(1, len(level[name]["ttft"]) + 1), level[name]["ttft"], marker="o", label=name)
-            ax.set(title=f"{together} session(s) at once", xlabel="turn", ylabel="time to first token (s)")
-            ax.set_ylim(bottom=0)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "ttft_per_turn.png", dpi=120)
+        plot_ttft(levels, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ class Decoder:
                 self.filling.append(row)
                 self.fill_cache = self._joined(self.fill_cache, [tcache])
             else:
-                self._enter([row], [tcache])
+                self._enter([row], self._joined(None, [tcache]))
 
     def _room_for(self, row: Request) -> bool:
         others = self.rows + self.filling
@@ -277,9 +277,13 @@ class Decoder:
         done = [i for i, row in enumerate(rows) if not row.unfilled]
         if len(done) < len(rows):
             mx.clear_cache()  # a long prompt's chunks: their activations are not kept
-        if done:
-            self._enter([rows[i] for i in done], [self.fill_cache.extract(i) for i in done])
+        if len(done) == len(rows):  # all in: their batch becomes (or joins) the decoding one, not copied
+            joining, self.filling, self.fill_cache = self.fill_cache, [], None
+            self._enter(rows, joining)
+        elif done:
+            joining = self._joined(None, [self.fill_cache.extract(i) for i in done])
             self.filling, self.fill_cache = self._without(rows, self.fill_cache, {rows[i].uid for i in done})
+            self._enter([rows[i] for i in done], joining)
 
     def _chunk_length(self, row: Request, span: int) -> int:
         """`span` tokens, or fewer to end at the next snapshot along the prompt."""
@@ -288,17 +292,22 @@ class Decoder:
         done = len(row.prompt) - 1 - len(row.unfilled)
         return min(span, self.snapshot_every - done % self.snapshot_every)
 
-    def _enter(self, rows: list[Request], tcaches: list[TargetCache]) -> None:
-        """Rows holding all of their prompt but its last token join the decoding rows (the last
-        token is their first step's, as in a decode step); a long prefill is kept for reuse."""
-        for row, tcache in zip(rows, tcaches):
+    def _enter(self, rows: list[Request], joining) -> None:
+        """Rows holding all of their prompt but its last token (in `joining`, their cache) join
+        the decoding rows (the last token is their first step's, as in a decode step); a long
+        prefill is kept for reuse."""
+        for i, row in enumerate(rows):
             # kept now when much was prefilled (other requests may share it before this one ends)
             # or when the state after the answer cannot be cut back to it (a retried prompt); else
             # that state, kept when the row leaves, serves the next turn and a retry alike
             prefilled = len(row.prompt) - 1 - row.stats.cached_tokens
             if self.prompt_cache is not None and (prefilled >= PREFILL_STEP or self.snapshot_every):
-                self.prompt_cache.store(row.prompt[:-1], tcache, row.context.flush())
-        self.cache = self._settled(self._joined(self.cache, tcaches))
+                self.prompt_cache.store(row.prompt[:-1], joining.extract(i), row.context.flush())
+        if self.cache is None:
+            self.cache = joining
+        else:
+            self.cache.extend(joining)
+        self.cache = self._settled(self.cache)
         self.rows += rows
 
     def _joined(self, batch, caches: list[TargetCache]):

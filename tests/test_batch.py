@@ -167,6 +167,32 @@ def test_rows_join_and_leave_mid_decode(monkeypatch):
     assert not decoder.busy and decoder.cache is None
 
 
+def test_a_request_filling_alone_decodes_on_the_cache_it_was_prefilled_into(monkeypatch):
+    """A warm turn's time to first token went mostly to copying its context from the prefill's
+    batch into the decoding one: the rows that finish their prefill together take their
+    batch along when nobody decodes, and are appended to the decoding batch otherwise; the
+    outputs stay exact either way."""
+    monkeypatch.setattr(engine, "PREFILL_STEP", 8)
+    target = tiny_target("llama", seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 20)
+    decoder = Decoder(DFlashModel(target, oracle), max_batch=3)
+    first = decoder.add(Request(list(PROMPTS[2]), 20))
+    filled_into = []
+    while decoder.cache is None:
+        filled_into.append(decoder.fill_cache)
+        decoder.step()
+    assert decoder.cache is filled_into[-1]  # handed over, not copied
+    out = {first: decoder.rows[0].output[:]}
+    late = decoder.add(Request(list(PROMPTS[0]), 20))
+    decoding = decoder.cache
+    while decoder.busy:
+        for uid, step in decoder.step().steps.items():
+            out.setdefault(uid, []).extend(step.tokens)
+        assert decoder.cache in (decoding, None)  # the late row was appended to it
+    assert out[first] == references[2][len(PROMPTS[2]) :][:20]
+    assert out[late] == references[0][len(PROMPTS[0]) :][:20]
+
+
 class Recording:
     """A target that notes the shape of every prefill pass (the logits of the last position only)."""
 
