@@ -1,15 +1,18 @@
 """Prompt-lookup proposals: the second source of drafts, free to make.
 
 When the text being written repeats text already seen (editing code, quoting the
-prompt, filling a JSON template), the tokens that followed the last occurrence of
-the current suffix are a good guess for what comes next.  The longest suffix of
-1..max_ngram tokens that occurred before is looked up (its latest occurrence), and
-the tokens that followed it are proposed, as in prompt lookup decoding and vLLM's
-n-gram speculator (a match that runs into the present continues with its own
-period).  They are verified like any draft, so the output is unchanged.  How long
-the matched suffix was travels with the proposal: a 1-token match is a weak hint, a
-4-token one a strong one, and the adaptive plan (plan.py) learns how often each
-kind is accepted.
+prompt, filling a JSON template), the tokens that followed an earlier occurrence of
+the current suffix are a good guess for what comes next, as in prompt lookup
+decoding and vLLM's n-gram speculator (a match that runs into the present continues
+with its own period).  Where the last `max_ngram` tokens occurred before, the
+occurrence whose preceding text agrees longest with the text before them is copied
+(an agent's conversation holds the file it rewrites several times, and its lines
+share their openings: the latest occurrence of four tokens is often the wrong line);
+else the latest occurrence of the longest shorter suffix.  They are verified like
+any draft, so the output is unchanged.  How long the match was travels with the
+proposal (1-3 tokens, or its class: up to 4, 8, 16 or 32): a 1-token match is a weak
+hint, a 20-token one a strong one, and the adaptive plan (plan.py) learns how often
+each kind is accepted.
 """
 
 from dataclasses import dataclass
@@ -26,34 +29,64 @@ class Match:
 
 
 NO_MATCH = Match()
+MATCH_BUCKETS = (4, 8, 16, 32)  # long matches are judged in these classes (a kind each)
+
+
+def match_bucket(length: int) -> int:
+    """The class of a match of `length` tokens: the first bucket at least as long."""
+    return next((b for b in MATCH_BUCKETS if length <= b), MATCH_BUCKETS[-1])
+
+
+def agreement(tokens, i: int, tail, n: int) -> int:
+    """How many tokens before position `i` of `tokens` agree with the end of `tail`, given that
+    the last `n` do (at most len(tail))."""
+    length = n
+    while length < len(tail) and i - length > 0 and tokens[i - length - 1] == tail[-length - 1]:
+        length += 1
+    return length
 
 
 class PromptLookup:
-    def __init__(self, tokens, min_ngram: int = 1, max_ngram: int = 4):
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+    def __init__(self, tokens, min_ngram: int = 1, max_ngram: int = 4, max_positions: int = 16):
+        self.min_ngram, self.max_ngram, self.max_positions = min_ngram, max_ngram, max_positions
         self.tokens: list[int] = []
-        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+        self._after: dict[tuple[int, ...], int] = {}  # shorter n-gram -> where its latest continuation starts
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # max_ngram-gram -> its latest continuations' starts
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
         """Append committed tokens; every n-gram now followed by a token is indexed."""
         for token in tokens:
             end = len(self.tokens)  # the n-grams ending here are followed by `token`
-            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+            for n in range(self.min_ngram, min(self.max_ngram - 1, end) + 1):
                 self._after[tuple(self.tokens[end - n : end])] = end
+            if end >= self.max_ngram:
+                starts = self._starts.setdefault(tuple(self.tokens[end - self.max_ngram : end]), [])
+                starts.append(end)
+                if len(starts) > 2 * self.max_positions:
+                    del starts[: -self.max_positions]
             self.tokens.append(int(token))
 
     def propose(self, limit: int) -> Match:
-        """Up to `limit` tokens that followed the longest earlier match of the current suffix."""
+        """Up to `limit` tokens that followed the best earlier match of the current suffix."""
         if limit <= 0:
             return NO_MATCH
-        for n in range(min(self.max_ngram, len(self.tokens)), self.min_ngram - 1, -1):
-            start = self._after.get(tuple(self.tokens[-n:]))
+        tokens, n = self.tokens, self.max_ngram
+        starts = self._starts.get(tuple(tokens[-n:])) if len(tokens) >= n else None
+        if starts:
+            tail = tokens[-MATCH_BUCKETS[-1] :]
+            length, start = max((agreement(tokens, i, tail, n), i) for i in starts[-self.max_positions :])
+            return Match(self._copy(start, limit), match_bucket(length))
+        for n in range(min(self.max_ngram - 1, len(tokens)), self.min_ngram - 1, -1):
+            start = self._after.get(tuple(tokens[-n:]))
             if start is not None:
-                # copied as an overlapping copy runs: past the end, the proposal repeats itself
-                # (a repeating text keeps its period)
-                proposal, end = [], len(self.tokens)
-                for i in range(start, start + limit):
-                    proposal.append(self.tokens[i] if i < end else proposal[i - end])
-                return Match(tuple(proposal), n)
+                return Match(self._copy(start, limit), n)
         return NO_MATCH
+
+    def _copy(self, start: int, limit: int) -> tuple:
+        """`limit` tokens from `start`, as an overlapping copy runs: past the end, the proposal
+        repeats itself (a repeating text keeps its period)."""
+        proposal, end = [], len(self.tokens)
+        for i in range(start, start + limit):
+            proposal.append(self.tokens[i] if i < end else proposal[i - end])
+        return tuple(proposal)

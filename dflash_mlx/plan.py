@@ -21,7 +21,9 @@ A row's first step is plain, so its first token is out as early as plain decodin
 Acceptance estimates are per row (its generation): each starts from a prior, the long-run
 estimate of that kind over everything decoded so far, and follows the evidence of its last
 cycles (every cycle ages it, so it drifts back to the prior when a kind has not been tried
-lately).  A drafter the prior says never pays is still tried, at width 2, after
+lately).  The drafter's are per position (its later tokens are guessed from less); a copy's
+are one rate for every position (a copy goes wrong where the text was changed, wherever that
+falls), so copies accepted whole widen past positions never tried.  A drafter the prior says never pays is still tried, at width 2, after
 `first_probe` steps of each generation and then once every `explore_every` steps without
 it (rows due together probe together): a prompt can be easier than the average.  A prompt
 lookup's or the store's proposal is judged by its kind's acceptance estimate, and once a copy of
@@ -57,6 +59,7 @@ class AcceptanceEstimate:
     decay: float = 0.98
     trials: list = field(default_factory=list)
     hits: list = field(default_factory=list)
+    pooled: bool = False  # one rate for every position (a copy)
 
     def __post_init__(self):
         self.trials = self.trials or [0.0] * self.max_width
@@ -64,6 +67,11 @@ class AcceptanceEstimate:
 
     def rates(self) -> list[float]:
         priors = self.prior if isinstance(self.prior, list) else [self.prior]
+        if self.pooled:
+            # a copy goes wrong where the text was changed, whatever the position: every accepted
+            # token is evidence for the next (per-position rates never learn positions not yet tried)
+            rate = (sum(self.hits) + priors[0] * self.prior_weight) / (sum(self.trials) + self.prior_weight)
+            return [rate] * self.max_width
         rates, previous = [], priors[0]
         for k, (t, h) in enumerate(zip(self.trials, self.hits)):
             own = priors[k] if k < len(priors) else None
@@ -118,6 +126,10 @@ class Plan:
 PLAIN = Plan()
 
 
+def is_copy(kind: str) -> bool:
+    return kind.startswith(COPIES)
+
+
 class Row(Protocol):
     """What the planner reads of a request (request.Request)."""
 
@@ -157,12 +169,16 @@ class Planner:
     def estimate(self, row: Row, kind: str) -> AcceptanceEstimate:
         """The row's acceptance estimate of `kind` (the long-run rates are its prior)."""
         if kind not in row.estimates:
-            row.estimates[kind] = AcceptanceEstimate(self.max_width, prior=self._long_run(kind).informed_rates())
+            row.estimates[kind] = AcceptanceEstimate(
+                self.max_width, prior=self._long_run(kind).informed_rates(), pooled=is_copy(kind)
+            )
         return row.estimates[kind]
 
     def _long_run(self, kind: str) -> AcceptanceEstimate:
         if kind not in self.long_run:
-            self.long_run[kind] = AcceptanceEstimate(self.max_width, prior=self.prior, decay=self.long_run_decay)
+            self.long_run[kind] = AcceptanceEstimate(
+                self.max_width, prior=self.prior, decay=self.long_run_decay, pooled=is_copy(kind)
+            )
         return self.long_run[kind]
 
     # ------------------------------------------------------------ planning
@@ -273,9 +289,8 @@ class Planner:
                 # copy accepted whole
                 if n < plan.width - 1:
                     row.copy_widths[plan.kind] = n + 2
-                elif plan.kind in row.copy_widths:
-                    cap = row.copy_widths[plan.kind]
-                    row.copy_widths[plan.kind] = min(self.max_width, max(cap, 2 * plan.width))
+                elif plan.kind in row.copy_widths:  # the cap doubles, even when the plan chose narrower
+                    row.copy_widths[plan.kind] = min(self.max_width, 2 * row.copy_widths[plan.kind])
             if plan.width > 1:
                 self.estimate(row, plan.kind).observe(plan.width, n)
                 long_run = self._long_run(plan.kind)

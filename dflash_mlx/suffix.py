@@ -16,15 +16,9 @@ tree is found without building one, in memory linear in the tokens kept.
 
 from array import array
 
-from .lookup import NO_MATCH, Match
+from .lookup import MATCH_BUCKETS, NO_MATCH, Match, agreement, match_bucket
 
 SEPARATOR = -1  # between documents: no match runs across it
-MATCH_BUCKETS = (4, 8, 16, 32)  # match lengths are judged in these classes (a kind each)
-
-
-def match_bucket(length: int) -> int:
-    """The class of a match of `length` tokens: the first bucket at least as long."""
-    return next((b for b in MATCH_BUCKETS if length <= b), MATCH_BUCKETS[-1])
 
 
 class SuffixStore:
@@ -91,9 +85,7 @@ class SuffixStore:
             i = end - self.base
             if i < n or i >= len(tokens) or tokens[i] == SEPARATOR:
                 continue  # dropped, or nothing after it
-            length = n
-            while length < len(tail) and i - length > 0 and tokens[i - length - 1] == tail[-length - 1]:
-                length += 1
+            length = agreement(tokens, i, tail, n)
             if length > best:
                 best, found = length, [i]
             elif length == best:

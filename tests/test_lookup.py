@@ -29,6 +29,19 @@ def test_proposes_what_followed_the_latest_longest_match():
     assert PromptLookup([5, 5, 5]).propose(4) == Match((5, 5, 5, 5), 2)  # a repeating text keeps repeating
 
 
+def test_the_occurrence_agreeing_longest_is_copied_and_its_length_class_said():
+    """A file written back: its lines share openings (`9 9 9 9` twice), so the latest occurrence
+    of the last four tokens is the wrong line; the one whose preceding text agrees longest is
+    copied, and the match's length class travels with it."""
+    first_line, second_line = [1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 20, 21], [7, 8, 9, 9, 9, 9, 30, 31]
+    lookup = PromptLookup(first_line + second_line + [0])
+    lookup.extend([1, 2, 3, 4, 5, 6, 9, 9, 9, 9])  # the first line again
+    assert lookup.propose(2) == Match((20, 21), 16)  # 10 tokens agree: the class of 9-16
+    lookup.extend([20, 21, 7, 8, 9, 9, 9, 9])
+    assert lookup.propose(2).tokens == (30, 31)
+    assert PromptLookup([5, 6, 7, 8, 1, 5, 6, 7, 8]).propose(1) == Match((1,), 4)  # four tokens: class 4
+
+
 def test_a_single_token_match_says_so():
     lookup = PromptLookup([1, 2, 3, 1])
     assert lookup.propose(3) == Match((2, 3, 1), 1)  # a weak hint: the plan judges it by its own record

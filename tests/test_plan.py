@@ -179,7 +179,8 @@ def test_the_first_step_is_plain_for_the_time_to_first_token():
 def test_a_wrong_copy_is_paid_once_and_a_faithful_one_never_held_back():
     """A copy kind's proposals are as wide as its estimate says from the first; once one goes
     wrong they drop to just past the accepted run (a wrong copy is then paid at width 2) and
-    double with each copy accepted whole; a short copy accepted whole does not narrow them."""
+    double with each copy accepted whole, a shorter one too (the plan may choose narrower than
+    the bound for its cost: traced, 40 copies of 4 tokens accepted whole behind a bound of 10)."""
     planner, row = planner_with([0.99] * 16, cpu_like(), kind="lookup3")
     row.lookup = Match(tuple(range(40)), 3)
     widths = []
@@ -192,7 +193,27 @@ def test_a_wrong_copy_is_paid_once_and_a_faithful_one_never_held_back():
     row.lookup = Match((1, 2), 3)  # a short copy accepted whole
     run(planner, row, best(planner, row), 2)
     row.lookup = Match(tuple(range(40)), 3)
-    assert best(planner, row).width == 6
+    assert best(planner, row).width == 8
+
+
+def test_copies_accepted_whole_widen_past_positions_never_tried():
+    """A copy goes wrong where the text was changed, not at a position: its kind has one rate
+    for every position.  Copies whose long run failed wide (a first answer that reformatted) and
+    that are now accepted whole at width 5 widen to the block within a few steps (per-position
+    rates kept positions 6+ at the old long run: traced, 40 whole 5-token copies in a row)."""
+    planner, row = planner_with([0.99] * 16, cpu_like(), kind="dflash")
+    row.lookup = Match(tuple(range(40)), 8)
+    for _ in range(30):  # the long run: wide copies of this kind wrong at their 7th token
+        run(planner, row, Plan(16, "lookup", tuple(range(15)), 8), 6)
+    planner.start(row)
+    row.lookup = Match(tuple(range(40)), 8)
+    widths = []
+    for _ in range(16):
+        plan = Plan(5, "lookup", tuple(range(4)), 8) if len(widths) < 6 else best(planner, row)
+        widths.append(plan.width)
+        run(planner, row, plan, plan.width - 1)
+    assert widths[-1] == 16, widths
+    assert planner.estimate(row, "lookup8").pooled and not planner.estimate(row, "dflash").pooled
 
 
 def test_measured_step_times_correct_the_cost_model():

@@ -11,7 +11,8 @@ from dflash_mlx.lookup import NO_MATCH
 from dflash_mlx.model import DFlashModel
 from dflash_mlx.plan import Planner
 from dflash_mlx.request import Request
-from dflash_mlx.suffix import SuffixStore, match_bucket
+from dflash_mlx.lookup import match_bucket
+from dflash_mlx.suffix import SuffixStore
 from tiny_models import Clock, Timed, random_draft, tiny_target
 from test_plan import cpu_like
 
