@@ -174,6 +174,13 @@ def test_the_first_step_is_plain_for_the_time_to_first_token():
     assert planner.plan([row], lookahead=1)[0].width == 16  # the step after it copies
     row.produced = 1
     assert best(planner, row).width == 16
+    # a row joining a batch: the step its first token comes from is plain for every row (all
+    # are verified at the step's width: traced, 4 agent sessions waited 2-3 s for a first token)
+    joining = Row(produced=0, lookup=Match(tuple(range(40)), 3))
+    planner.start(joining)
+    joining.produced = 0
+    assert planner.plan([row, joining]) == [PLAIN, PLAIN]
+    assert planner.plan([row, joining], lookahead=1)[0].width == 16
 
 
 def test_a_wrong_copy_is_paid_once_and_a_faithful_one_never_held_back():
