@@ -103,8 +103,19 @@ class CostModel:
         return (2 * L - 1 if drafted and L > 1 else L) * self.row(params)
 
 
+SHORTEST_SPAN = 512
+
+
+def context_class(tokens: int) -> int:
+    """The class of a step's context (its longest row's tokens): the power of two at or above it, 512 at least."""
+    return max(SHORTEST_SPAN, 1 << (max(tokens, 1) - 1).bit_length())
+
+
 class StepTimes:
-    """How much longer a batch step really takes than the cost curve says, per shape (rows, width).
+    """How much longer a batch step really takes than the cost curve says, per shape (rows, width)
+    and class of context (context_class: attention over a long context costs what the curve, timed
+    at a short one, does not see; traced: ratios learnt over 2k-token agent sessions kept widths
+    4-14 judged 1.4-2x dear on 300-token prompts, whose copies then decoded plainly).
 
     The curve times one row at a short context and is extrapolated past its widest probe; a
     batch step attends over B contexts of any length and verifies B x w tokens (measured here:
@@ -118,6 +129,7 @@ class StepTimes:
     the batch falls back to, and judged dear before it ran it would never run and never be
     corrected (traced: 8 rows x 1 token never tried, 8 x 2 run instead at 0.7x its tokens/s).
 
+    Shapes are judged only by shapes of their context class; a class not run yet, by the curve.
     A shape not run for `forget_after` steps is forgotten (judged by the shapes around it again).
 
     With a `store` (a file beside the machine's cost curve), what the steps taught is kept every
@@ -133,9 +145,9 @@ class StepTimes:
         forget_after: int = 500,
     ):
         self.window, self.forget_after = window, forget_after
-        self.seen: dict[tuple[int, int], deque] = {}  # shape -> its last `window` ratios
-        self.ratios: dict[tuple[int, int], float] = {}
-        self.seen_at: dict[tuple[int, int], int] = {}  # shape -> the step it last ran at
+        self.seen: dict[tuple[int, int, int], deque] = {}  # (rows, width, span) -> its last `window` ratios
+        self.ratios: dict[tuple[int, int, int], float] = {}
+        self.seen_at: dict[tuple[int, int, int], int] = {}  # (rows, width, span) -> the step it last ran at
         self.steps = 0
         self.store, self.basis, self.save_every = store, list(basis), save_every
         self._unsaved = 0
@@ -151,18 +163,15 @@ class StepTimes:
             kept = json.loads(store.read_text())
             if kept["basis"] != times.basis:
                 return times  # learnt against a curve measured since replaced
-            for rows, width, ratios in kept["shapes"]:
+            for rows, width, span, ratios in kept["shapes"]:
                 if not (
-                    isinstance(rows, int)
-                    and isinstance(width, int)
-                    and rows > 0
-                    and width > 0
+                    all(isinstance(n, int) and n > 0 for n in (rows, width, span))
                     and ratios
                     and all(isinstance(r, (int, float)) and 0 < r < 1e4 for r in ratios)
                 ):
                     raise ValueError("not a step time")
-                times.seen[rows, width] = deque(ratios[-window:], maxlen=window)
-                times.ratios[rows, width] = times._typical(times.seen[rows, width], width)
+                times.seen[rows, width, span] = deque(ratios[-window:], maxlen=window)
+                times.ratios[rows, width, span] = times._typical(times.seen[rows, width, span], width)
         except (ValueError, TypeError, KeyError, OSError) as e:  # truncated, foreign or from another version
             console.print(
                 f"note: the step times in {store} are unreadable ({type(e).__name__}); learning them again",
@@ -182,8 +191,8 @@ class StepTimes:
             seen = [(a + b) / 2 for a, b in zip(seen, seen[1:])]
         return median_low(seen)
 
-    def ratio(self, rows: int, width: int) -> float:
-        ratios = self.ratios
+    def ratio(self, rows: int, width: int, span: int = SHORTEST_SPAN) -> float:
+        ratios = {(r, w): ratio for (r, w, s), ratio in self.ratios.items() if s == span}
         if (rows, width) in ratios:
             return ratios[rows, width]
         if width == 1:
@@ -204,15 +213,16 @@ class StepTimes:
         t = math.log(tokens / below[0]) / math.log(above[0] / below[0])
         return below[2] + t * (above[2] - below[2])
 
-    def seconds(self, rows: int, width: int, modelled: float) -> float:
-        return modelled * self.ratio(rows, width)
+    def seconds(self, rows: int, width: int, modelled: float, span: int = SHORTEST_SPAN) -> float:
+        return modelled * self.ratio(rows, width, span)
 
-    def observe(self, rows: int, width: int, modelled: float, seconds: float) -> None:
-        seen = self.seen.setdefault((rows, width), deque(maxlen=self.window))
+    def observe(self, rows: int, width: int, modelled: float, seconds: float, span: int = SHORTEST_SPAN) -> None:
+        shape = (rows, width, span)
+        seen = self.seen.setdefault(shape, deque(maxlen=self.window))
         seen.append(max(seconds / modelled, 0.05))  # an injected clock may see a step as free
-        self.ratios[rows, width] = self._typical(seen, width)
+        self.ratios[shape] = self._typical(seen, width)
         self.steps += 1
-        self.seen_at[rows, width] = self.steps
+        self.seen_at[shape] = self.steps
         # a shape judged dear is not run again, so never corrected: after a while it is forgotten,
         # and judged by the shapes around it again (traced: ratios learnt on a bad day kept every
         # verify wider than 2 off for good)
@@ -230,7 +240,7 @@ class StepTimes:
 
     def save(self) -> None:
         self._unsaved = 0
-        shapes = [[rows, width, list(seen)] for (rows, width), seen in sorted(self.seen.items())]
+        shapes = [[*shape, list(seen)] for shape, seen in sorted(self.seen.items())]
         try:
             atomic_write(self.store, json.dumps({"basis": self.basis, "shapes": shapes}))
         except OSError as e:
@@ -337,7 +347,7 @@ def costs_path(key: str, cache_root: Path) -> Path:
 def step_times_path(key: str, cache_root: Path) -> Path:
     """Where the batch step times learnt against that cost model are kept (StepTimes.stored)."""
     path = costs_path(key, cache_root)
-    return path.with_name(f"{path.stem}-steps.json")
+    return path.with_name(f"{path.stem}-steps2.json")  # 2: per context class
 
 
 def cached_costs(key: str, measure, cache_root: Path) -> CostModel:

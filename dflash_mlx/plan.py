@@ -40,7 +40,7 @@ it is judged by stays current.
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from .costs import CostModel, StepTimes
+from .costs import CostModel, StepTimes, context_class
 from .lookup import Match
 from .sampling import SamplingParams
 
@@ -138,6 +138,7 @@ class Row(Protocol):
     block: int  # its widest verify
     left: int  # tokens it may still commit
     produced: int  # tokens it has committed
+    context_length: int  # tokens its caches hold (prompt + committed)
     params: SamplingParams
     estimates: dict  # kind -> AcceptanceEstimate, this generation's
     since_draft: int  # steps since it last drafted
@@ -270,7 +271,8 @@ class Planner:
 
     def seconds(self, rows: list[Row], plans: list[Plan]) -> float:
         """The expected wall time of a step: the curve, scaled by what steps of its shape took."""
-        return self.step_times.seconds(len(rows), max(plan.width for plan in plans), self.modelled(rows, plans))
+        width = max(plan.width for plan in plans)
+        return self.step_times.seconds(len(rows), width, self.modelled(rows, plans), span(rows))
 
     # ------------------------------------------------------------ learning
 
@@ -299,10 +301,15 @@ class Planner:
                 long_run.age()
                 long_run.observe(plan.width, n)
         width = max(plan.width for plan in plans)
-        self.step_times.observe(len(rows), width, self.modelled(rows, plans), seconds)
+        self.step_times.observe(len(rows), width, self.modelled(rows, plans), seconds, span(rows))
         self.steps += 1
         if width == 1:
             self.plain_at[len(rows)] = self.steps
+
+
+def span(rows: list[Row]) -> int:
+    """The context class of a step over `rows` (a batch attends over its longest row's length)."""
+    return context_class(max(row.context_length for row in rows))
 
 
 def fixed_plan(block: int, left: int) -> Plan:

@@ -90,6 +90,11 @@ class Request:
         return len(self.output)
 
     @property
+    def context_length(self) -> int:
+        """Tokens its caches hold: the prompt and what it committed."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def left(self) -> int:
         return self.max_tokens - self.produced
 

@@ -8,10 +8,10 @@ import pytest
 from mlx_lm.models.cache import BatchRotatingKVCache
 
 from dflash_mlx import engine
-from dflash_mlx.costs import CostModel, StepTimes
+from dflash_mlx.costs import CostModel, StepTimes, context_class
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
 from dflash_mlx.engine import Decoder
-from dflash_mlx.plan import Planner
+from dflash_mlx.plan import Plan, Planner
 from dflash_mlx.request import Context, Request
 from dflash_mlx.drafters.dflash import ContextRows
 from dflash_mlx.engine import decode
@@ -409,6 +409,23 @@ def test_step_times_learn_each_shape_and_guess_the_others():
     assert times.ratio(4, 1) == pytest.approx(2.0)
 
 
+def test_step_times_learnt_over_long_contexts_do_not_judge_short_ones():
+    """Attention over a long context costs what the curve (timed at a short one) does not see:
+    ratios learnt over 2k-token sessions judge 2k-token steps, not the next 300-token prompt's."""
+    times = StepTimes()
+    for _ in range(7):
+        times.observe(1, 8, modelled=0.1, seconds=0.2, span=context_class(2000))
+    assert context_class(300) == 512 and context_class(2000) == 2048 and context_class(2049) == 4096
+    assert times.ratio(1, 8, context_class(2000)) == pytest.approx(2.0)
+    assert times.ratio(1, 4, context_class(1800)) == pytest.approx(2.0)  # its class: guessed from it
+    assert times.ratio(1, 8, context_class(300)) == 1.0  # the curve, until a short step has run
+    planner = Planner(cost_model(0.1), 8, step_times=times)
+    long_row, short_row = Request(list(range(2000)), 10), Request(list(range(300)), 10)
+    assert planner.seconds([long_row], [Plan(8, "dflash")]) == pytest.approx(
+        2 * planner.seconds([short_row], [Plan(8, "dflash")])
+    )
+
+
 def test_step_times_are_kept_for_the_next_process(tmp_path, capsys):
     """What the steps taught is saved every `save_every` steps and when the batch empties, read
     back for the same curve, ignored for a re-measured one, and a broken file is a note."""
@@ -418,11 +435,12 @@ def test_step_times_are_kept_for_the_next_process(tmp_path, capsys):
     times.observe(4, 1, modelled=0.1, seconds=0.13)
     times.observe(4, 2, modelled=0.2, seconds=0.5)
     assert not store.exists()
-    times.observe(4, 2, modelled=0.2, seconds=0.6)
+    times.observe(4, 2, modelled=0.2, seconds=0.6, span=4096)
     again = StepTimes.stored(store, basis=[0.1, 0.2])
-    assert again.ratios == times.ratios and again.ratio(2, 4) == pytest.approx(2.5)  # the lower median
+    assert again.ratios == times.ratios and again.ratio(2, 4) == pytest.approx(2.5)
+    assert again.ratio(4, 2, span=4096) == pytest.approx(3.0)
     assert StepTimes.stored(store, basis=[0.1, 0.3]).ratios == {}  # another curve
-    for junk in ('{"basis": [0.1, 0.2], "shapes": [[4, 1, ["x"]]]}', '{"basis": [0.1, 0.2], "sha'):
+    for junk in ('{"basis": [0.1, 0.2], "shapes": [[4, 1, 512, ["x"]]]}', '{"basis": [0.1, 0.2], "sha'):
         store.write_text(junk)
         assert StepTimes.stored(store, basis=[0.1, 0.2]).ratios == {}
         assert "unreadable" in capsys.readouterr().err

@@ -25,6 +25,7 @@ class Row:
 
     left: int = 1000
     produced: int = 1
+    context_length: int = 100
     lookup: Match = NO_MATCH
     adaptive: bool = True
     block: int = 16
