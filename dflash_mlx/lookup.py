@@ -8,7 +8,8 @@ with its own period).  Where the last `max_ngram` tokens occurred before, the
 occurrence whose preceding text agrees longest with the text before them is copied
 (an agent's conversation holds the file it rewrites several times, and its lines
 share their openings: the latest occurrence of four tokens is often the wrong line);
-else the latest occurrence of the longest shorter suffix.  They are verified like
+else the longest shorter suffix, found near where the text was last copied from (after
+an edit, the copy resumes where it left off) or at its latest occurrence.  They are verified like
 any draft, so the output is unchanged.  How long the match was travels with the
 proposal (1-3 tokens, or its class: up to 4, 8, 16 or 32): a 1-token match is a weak
 hint, a 20-token one a strong one, and the adaptive plan (plan.py) learns how often
@@ -16,6 +17,7 @@ each kind is accepted.
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,10 @@ def agreement(tokens, i: int, tail, n: int) -> int:
 
 
 class PromptLookup:
-    def __init__(self, tokens, min_ngram: int = 1, max_ngram: int = 4, max_positions: int = 16):
-        self.min_ngram, self.max_ngram, self.max_positions = min_ngram, max_ngram, max_positions
+    def __init__(self, tokens, min_ngram: int = 1, max_ngram: int = 4, max_positions: int = 16, near: int = 16):
+        self.min_ngram, self.max_ngram, self.max_positions, self.near = min_ngram, max_ngram, max_positions, near
         self.tokens: list[int] = []
+        self.cursor: Optional[int] = None  # where the text's next token was last copied from
         self._after: dict[tuple[int, ...], int] = {}  # shorter n-gram -> where its latest continuation starts
         self._starts: dict[tuple[int, ...], list[int]] = {}  # max_ngram-gram -> its latest continuations' starts
         self.extend(tokens)
@@ -66,6 +69,8 @@ class PromptLookup:
                 if len(starts) > 2 * self.max_positions:
                     del starts[: -self.max_positions]
             self.tokens.append(int(token))
+        if self.cursor is not None:
+            self.cursor += len(tokens)
 
     def propose(self, limit: int) -> Match:
         """Up to `limit` tokens that followed the best earlier match of the current suffix."""
@@ -75,13 +80,29 @@ class PromptLookup:
         starts = self._starts.get(tuple(tokens[-n:])) if len(tokens) >= n else None
         if starts:
             tail = tokens[-MATCH_BUCKETS[-1] :]
-            length, start = max((agreement(tokens, i, tail, n), i) for i in starts[-self.max_positions :])
-            return Match(self._copy(start, limit), match_bucket(length))
+            length, self.cursor = max((agreement(tokens, i, tail, n), i) for i in starts[-self.max_positions :])
+            return Match(self._copy(self.cursor, limit), match_bucket(length))
         for n in range(min(self.max_ngram - 1, len(tokens)), self.min_ngram - 1, -1):
-            start = self._after.get(tuple(tokens[-n:]))
+            start = self._near_cursor(n)
+            if start is None:
+                start = self._after.get(tuple(tokens[-n:]))
             if start is not None:
+                self.cursor = start
                 return Match(self._copy(start, limit), n)
         return NO_MATCH
+
+    def _near_cursor(self, n: int) -> Optional[int]:
+        """Where the last `n` tokens occurred within `near` tokens of the cursor (the nearest):
+        after an edit (a renamed variable, an added hint) the copy resumes where it left off, not
+        at the latest occurrence of a comma."""
+        if self.cursor is None:
+            return None
+        tokens, end, cursor = self.tokens, len(self.tokens), self.cursor
+        pattern, found = tokens[-n:], None
+        for i in range(max(n, cursor - self.near), min(end - 1, cursor + self.near) + 1):
+            if tokens[i - n : i] == pattern and (found is None or abs(i - cursor) < abs(found - cursor)):
+                found = i
+        return found
 
     def _copy(self, start: int, limit: int) -> tuple:
         """`limit` tokens from `start`, as an overlapping copy runs: past the end, the proposal

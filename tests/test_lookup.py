@@ -42,6 +42,18 @@ def test_the_occurrence_agreeing_longest_is_copied_and_its_length_class_said():
     assert PromptLookup([5, 6, 7, 8, 1, 5, 6, 7, 8]).propose(1) == Match((1,), 4)  # four tokens: class 4
 
 
+def test_after_an_edit_the_copy_resumes_where_it_left_off():
+    """A rename: the copy runs until the new name, whose tokens never occurred; the next short match
+    is looked for near where the copy had got to, not at its latest occurrence anywhere."""
+    source = [10, 11, 12, 13, 5, 14, 15, 16, 17, 18, 19, 5, 20, 21]  # `5` (a comma) twice
+    lookup = PromptLookup(source + [0, 99] + [5, 30, 31])  # a later comma elsewhere
+    lookup.extend([10, 11, 12, 13])
+    assert lookup.propose(3).tokens == (5, 14, 15)
+    lookup.extend([77, 5])  # an edit: 77 where the source had nothing, then the comma
+    assert lookup.propose(3) == Match((14, 15, 16), 1)  # the comma near the copy, not the latest
+    assert PromptLookup(source + [0, 99] + [5, 30, 31, 77, 5]).propose(2).tokens == (30, 31)  # no copy yet: the latest
+
+
 def test_a_single_token_match_says_so():
     lookup = PromptLookup([1, 2, 3, 1])
     assert lookup.propose(3) == Match((2, 3, 1), 1)  # a weak hint: the plan judges it by its own record
