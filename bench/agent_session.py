@@ -33,7 +33,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve_batch import start_ours, start_servers  # noqa: E402
+from serve_batch import start_ours, start_servers, stop  # noqa: E402
 
 TOOLS = """You are a coding agent working in the user's repository. You can call these tools:
 - read_file(path: string): returns the file's text.
@@ -206,8 +206,7 @@ def soak(count: int, turns: int, max_tokens: int, out) -> None:
             rss.append(current_rss_mb(ours.pid))
             print(f"session {k + 1}: RSS {rss[-1]:.0f} MB", flush=True)
     finally:
-        ours.terminate()
-        ours.wait(timeout=60)
+        stop(ours)
     base = rss[min(4, len(rss) - 1)]
     lines = [
         f"Machine: {machine()}",
@@ -235,8 +234,7 @@ def restart(turns: int, max_tokens: int, out) -> None:
                 chosen = session if run == 0 else {**session, "turns": session["turns"][:1]}
                 first.append([t["ttft"] for t in replay_ours(port, chosen, max_tokens)])
             finally:
-                ours.terminate()
-                ours.wait(timeout=120)
+                stop(ours, timeout=120)
     warm = median(first[0][1:])
     lines = [
         f"Machine: {machine()}",
@@ -283,9 +281,7 @@ def run_rep(together: int, turns: int, max_tokens: int, ours_first: bool) -> tup
             )
         return runs, {"mlx_lm.server": rss_mb(theirs.pid), "dflash-mlx": rss_mb(ours.pid)}
     finally:
-        for process in (ours, theirs):
-            process.terminate()
-            process.wait(timeout=60)
+        stop(ours, theirs)
 
 
 def summary(reps: list[dict]) -> dict:

@@ -69,6 +69,13 @@ def start_ours(max_batch: int, *options: str) -> tuple[subprocess.Popen, int]:
     return process, port
 
 
+def stop(*servers: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM each server (ours drains) and wait until it has exited."""
+    for process in servers:
+        process.terminate()
+        process.wait(timeout=timeout)
+
+
 def start_servers(model_dir: Path, max_batch: int, *ours_options: str):
     python = sys.executable
     theirs_port = free_port()
@@ -298,9 +305,7 @@ def main():
                     if args.out:  # after every level: a stopped run keeps what it measured
                         save(rows, Path(args.out), args)
     finally:
-        for process in (ours, theirs):
-            process.terminate()
-            process.wait(timeout=60)
+        stop(ours, theirs)
 
 
 def save(rows: list[dict], out: Path, args) -> None:
