@@ -134,7 +134,16 @@ class PromptCache:
         mx.eval(_states(target, context))
         entry = Snapshot(key, copy.deepcopy(target), copy.deepcopy(context), _nbytes(_states(target, context)))
         if entry.nbytes <= self.max_bytes:
+            if _cuttable(entry):
+                self._drop_prefixes(key)
             self._insert(entry)
+
+    def _drop_prefixes(self, key: tuple) -> None:
+        """RAM entries whose tokens begin `key`: an entry that can be cut back serves them all (a
+        session's every turn would otherwise keep the states of all the turns before it)."""
+        while self.entries and (shorter := self.trie.search(MODEL, list(key)).shorter):
+            self.trie.pop(MODEL, shorter)
+            self.entries.pop(tuple(shorter))
 
     def _insert(self, entry: Snapshot) -> None:
         self.entries[entry.tokens] = entry

@@ -121,6 +121,25 @@ SESSION_FAMILIES = [
 ]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
+def test_a_session_keeps_one_entry_where_its_states_can_be_cut_back(model_type):
+    """Each turn's answer extends the last turn's state: where caches can be cut back, the longer
+    entry serves every prefix of it and the older ones go (memory per session, not per turn);
+    a hybrid's recurrent state cannot be cut back, so its earlier states stay."""
+    target = tiny_target(model_type, seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    cache, prompt = PromptCache(), SYSTEM + [5, 6, 7]
+    for turn in range(3):
+        answer, _ = run(model, prompt, cache)
+        prompt = prompt + answer + [11 + turn, 12, 13]
+    cuttable = model_type == "llama"
+    assert (len(cache.entries) == 1) == cuttable, list(map(len, cache.entries))
+    retried = SYSTEM + [5, 6, 7]  # the first turn asked again: served from the last entry, cut back
+    warm, cached = run(model, retried, cache)
+    assert warm == run(model, retried)[0]
+    assert cached == (len(retried) - 1 if cuttable else cached)
+
+
 @pytest.mark.parametrize("model_type, overrides", SESSION_FAMILIES)
 @pytest.mark.parametrize("drafter", [True, False])
 def test_the_state_after_an_answer_serves_the_next_turn(model_type, overrides, drafter):
