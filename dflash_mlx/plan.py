@@ -24,9 +24,10 @@ estimate of that kind over everything decoded so far, and follows the evidence o
 cycles (every cycle ages it, so it drifts back to the prior when a kind has not been tried
 lately).  The drafter's are per position (its later tokens are guessed from less); a copy's
 are one rate for every position (a copy goes wrong where the text was changed, wherever that
-falls), so copies accepted whole widen past positions never tried.  A drafter the prior says never pays is still tried, at width 2, after
-`first_probe` steps of each generation and then once every `explore_every` steps without
-it (rows due together probe together): a prompt can be easier than the average.  A prompt
+falls), so copies accepted whole widen past positions never tried.  A drafter the prior says
+never pays is still tried, at width 2, after `first_probe` steps of each generation and then
+once every `explore_every` steps without it (rows due together probe together): a prompt can
+be easier than the average.  A prompt
 lookup's or the store's proposal is judged by its kind's acceptance estimate, and once a copy of
 its kind went wrong in this generation it is never wider than copies of that kind have since
 earned (`copy_widths`): cut to just past the accepted run, doubled after each copy accepted

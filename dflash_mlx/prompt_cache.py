@@ -115,17 +115,13 @@ class PromptCache:
 
     def _nearest(self, usable: list[int]) -> Optional[tuple[Snapshot, int]]:
         """The RAM entry sharing the longest usable prefix with `usable`, and that length."""
-        if not usable or not self.entries:
+        if not self.entries:
             return None
-        result = self.trie.search(MODEL, usable)
-        if result.exact is not None:
-            return self.entries[tuple(result.exact)], len(usable)
-        shorter = self.entries[tuple(result.shorter)] if result.shorter else None
-        if result.longer is not None and result.common_prefix > len(result.shorter or ()):
-            longer = self.entries[tuple(result.longer)]
-            if _cuttable(longer):
-                return longer, result.common_prefix
-        return (shorter, len(shorter.tokens)) if shorter is not None else None
+        for tokens, shared in candidates(self.trie, usable):
+            entry = self.entries[tokens]
+            if shared == len(tokens) or _cuttable(entry):
+                return entry, shared
+        return None
 
     def store(self, tokens: list[int], target, context) -> None:
         key = tuple(tokens)
@@ -160,6 +156,24 @@ class PromptCache:
             for entry in self.entries.values():
                 if not entry.on_disk:
                     self.disk.write(entry)
+
+
+def candidates(trie: PromptTrie, usable: list[int]) -> list[tuple[tuple, int]]:
+    """Entries of `trie` that could serve `usable`, best first, with the tokens each shares with
+    it: the exact one; else one extending past their common prefix (usable when its caches can be
+    cut back: a session's state after an answer serves its prompt asked again), then the longest
+    that is a prefix of `usable`."""
+    if not usable:
+        return []
+    result = trie.search(MODEL, usable)
+    if result.exact is not None:
+        return [(tuple(result.exact), len(usable))]
+    found = []
+    if result.longer is not None and result.common_prefix > len(result.shorter or ()):
+        found.append((tuple(result.longer), result.common_prefix))
+    if result.shorter:
+        found.append((tuple(result.shorter), len(result.shorter)))
+    return found
 
 
 def _cuttable(entry: Snapshot) -> bool:
@@ -219,21 +233,8 @@ class DiskTier:
         return meta if meta.get("fingerprint") == self.fingerprint else None
 
     def candidates(self, usable: list[int]) -> list[tuple[tuple, int]]:
-        """Stored entries worth reading for `usable`, best first, with the tokens each shares
-        with it: one extending past their common prefix (usable when its caches can be cut back:
-        a session's state after an answer serves its prompt asked again), then the longest that
-        is a prefix of `usable`."""
-        if not usable or not self.index:
-            return []
-        result = self.trie.search(MODEL, usable)
-        if result.exact is not None:
-            return [(tuple(result.exact), len(usable))]
-        found = []
-        if result.longer is not None and result.common_prefix > len(result.shorter or ()):
-            found.append((tuple(result.longer), result.common_prefix))
-        if result.shorter:
-            found.append((tuple(result.shorter), len(result.shorter)))
-        return found
+        """Stored entries worth reading for `usable` (module `candidates`)."""
+        return candidates(self.trie, usable) if self.index else []
 
     def read(self, tokens: tuple) -> Optional[Snapshot]:
         path = self.index.get(tokens)
