@@ -194,28 +194,46 @@ def report(lines: list[str], out, name: str, data: Optional[dict] = None) -> Non
         (out / name).write_text("\n".join(lines) + "\n")
 
 
+def prompt_cache_mb(port: int) -> float:
+    """What the server's prompt cache holds in memory (its /metrics gauge), in MB."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return int(re.search(r"^dflash_prefix_cache_bytes (\d+)$", text, re.M).group(1)) / 2**20
+
+
 def soak(count: int, turns: int, max_tokens: int, out) -> None:
-    """`count` sessions in a row against ours: its RSS after each, flat after the fifth?"""
+    """`count` sessions in a row against ours: its RSS after each, flat after the fifth?  And
+    the prompt cache's part of it (states kept for the sessions' next turns)."""
     from dflash_mlx.bench.harness import machine
 
     ours, port = start_ours(2)
-    rss = []
+    rss, cached = [], []
     try:
         for k, session in enumerate(sessions(count, turns)):
             replay_ours(port, session, max_tokens)
             rss.append(current_rss_mb(ours.pid))
-            print(f"session {k + 1}: RSS {rss[-1]:.0f} MB", flush=True)
+            cached.append(prompt_cache_mb(port))
+            print(f"session {k + 1}: RSS {rss[-1]:.0f} MB, prompt cache {cached[-1]:.0f} MB", flush=True)
     finally:
         stop(ours)
-    base = rss[min(4, len(rss) - 1)]
+    base = min(4, len(rss) - 1)
     lines = [
         f"Machine: {machine()}",
         f"Command: python {' '.join(sys.argv)}",
         "",
-        f"{count} sessions of {turns} turns in a row: RSS after session 5 {base:.0f} MB, after session {count} "
-        f"{rss[-1]:.0f} MB ({100 * (rss[-1] / base - 1):+.1f}%), largest after session 5 {max(rss[4:] or rss):.0f} MB",
+        f"{count} sessions of {turns} turns in a row: RSS after session 5 {rss[base]:.0f} MB, after session {count} "
+        f"{rss[-1]:.0f} MB ({100 * (rss[-1] / rss[base] - 1):+.1f}%), largest after session 5 "
+        f"{max(rss[4:] or rss):.0f} MB; the prompt cache held {cached[base]:.0f} MB after session 5, "
+        f"{cached[-1]:.0f} MB after session {count}",
+        "",
+        "| after session | RSS MB | prompt cache MB |",
+        "|---|---|---|",
+        *(f"| {k + 1} | {r:.0f} | {c:.0f} |" for k, (r, c) in enumerate(zip(rss, cached)) if k < 5 or (k + 1) % 5 == 0),
     ]
-    report(lines, out, "results.md", {"rss_mb": rss})
+    report(lines, out, "results.md", {"rss_mb": rss, "prompt_cache_mb": cached})
 
 
 def restart(turns: int, max_tokens: int, out) -> None:

@@ -80,7 +80,7 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
+        return sum(e.nbytes for e in list(self.entries.values()))  # list(): one read, safe beside the engine thread
 
     def snapshot_interval(self, target: TargetCache) -> Optional[int]:
         """Tokens between snapshots along a prefill for caches like `target`'s: None when every

@@ -106,7 +106,8 @@ def test_stop_seed_and_block_size(served):
 
 
 def test_models_health_metrics(served):
-    client, _, _, port, _ = served
+    client, _, _, port, server = served
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     models = client.models.list()
     dflash = models.data[0].model_extra["dflash"]
     assert models.data[0].id == MODEL and dflash["batching"] is True and dflash["max_batch"] == 8
@@ -117,6 +118,8 @@ def test_models_health_metrics(served):
     assert "dflash_batch_size " in text and re.search(
         r'dflash_batch_steps_total\{size="1",mode="(plain|draft)"\} [1-9]', text
     )
+    held = int(re.search(r"^dflash_prefix_cache_bytes (\d+)$", text, re.M).group(1))
+    assert held == server.prompt_cache.nbytes > 0  # the answer's state is kept
 
 
 @pytest.mark.parametrize(

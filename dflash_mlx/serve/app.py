@@ -159,6 +159,7 @@ class Server:
     async def prometheus(self, request: Request) -> PlainTextResponse:
         if self.prompt_cache is not None:
             self.metrics.prefix_cache_hits = self.prompt_cache.hits
+            self.metrics.prefix_cache_bytes = self.prompt_cache.nbytes
         return PlainTextResponse(self.metrics.render(self.worker.depth), media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------ what every API shares

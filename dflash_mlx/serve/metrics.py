@@ -19,6 +19,7 @@ class Metrics:
         self.committed = Counter()  # tokens committed per cycle -> cycles
         self.last_tps = 0.0
         self.prefix_cache_hits = 0
+        self.prefix_cache_bytes = 0
         self.batch_steps = Counter()
         self.batch_size = 0  # rows in the last batch step  # (batch size, "plain" | "draft") -> steps
 
@@ -83,6 +84,9 @@ class Metrics:
                 f"dflash_queue_depth {queue_depth}",
                 "# TYPE dflash_prefix_cache_hits_total counter",
                 f"dflash_prefix_cache_hits_total {self.prefix_cache_hits}",
+                "# HELP dflash_prefix_cache_bytes Bytes of states the prompt cache holds in memory.",
+                "# TYPE dflash_prefix_cache_bytes gauge",
+                f"dflash_prefix_cache_bytes {self.prefix_cache_bytes}",
                 "# HELP dflash_batch_size Requests decoded together in the last batch step.",
                 "# TYPE dflash_batch_size gauge",
                 f"dflash_batch_size {self.batch_size}",
