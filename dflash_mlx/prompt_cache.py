@@ -14,8 +14,16 @@ recurrent state), snapshots are also taken every `snapshot_every` tokens along a
 prefill, as vLLM's hybrid prefix caching does, so a prompt that departs from an earlier one
 midway (a client re-rendering an old turn) restores the nearest one before it.  The last
 prompt token is always prefilled, so the first generated token comes from a fresh pass.
-Snapshots share their arrays with the caches they were taken from (MLX arrays are values: a
-deep copy is a new handle on the same memory, and a later write copies only what it writes).
+
+Entries share what their tokens share: KV states that grow along the token axis (full-attention
+layers, the drafter's context) are kept in pieces of `piece_tokens` positions, each named by a
+hash of every token up to its end (vLLM's prefix blocks), held once however many entries begin
+with those tokens (agents' sessions on one system prompt and tool list, a hybrid's snapshots
+along one prefill); an entry owns only its tail and its other states.  Pieces and tails are
+copies, so an entry's KV never keeps a live cache's buffer (or a whole batch's) alive; restoring
+one concatenates its pieces into a fresh cache.  Its other states (sliding windows, recurrent
+states) share their arrays with the caches they were taken from (MLX arrays are values: a deep
+copy is a new handle on the same memory, and a later write copies only what it writes).
 
 The disk tier (`folder`) holds the entries the RAM tier evicts, and every entry at `flush()`
 (a server's shutdown), as mlx-lm's prompt-cache safetensors files named by a hash of the model
@@ -48,9 +56,10 @@ MODEL = "target"  # the trie's one model: a PromptCache serves one model pair
 @dataclass
 class Snapshot:
     tokens: tuple[int, ...]
-    target: TargetCache
+    target: TargetCache  # its token-axis KV caches hold only what follows `pieces`
     context: Optional[list]  # the drafter's ContextKV per layer (None without a drafter)
-    nbytes: int
+    nbytes: int  # what it owns: the shared pieces are counted once, in `Pieces`
+    pieces: tuple = ()  # names of the shared pieces it begins with, in order
     on_disk: bool = False
 
 
@@ -62,6 +71,70 @@ def _states(target, context) -> list:
     return [c.state for c in target.layers] + [c.state for c in context or []]
 
 
+def _token_axis_caches(target, context) -> list:
+    """The caches holding keys and values for every position from the first, in one array each
+    (plain KV caches, a drafter context without a window): the ones cut into shared pieces."""
+    kv = [h.cache for h in target.handlers if isinstance(h, TrimmableKV)]
+    return [c for c in kv + [c for c in context or [] if c.window is None] if c.keys is not None]
+
+
+def _live_nbytes(target, context) -> int:
+    """Bytes of what `target` and `context` hold (not the room their buffers keep for more)."""
+    kv = _token_axis_caches(target, context)
+    live = [(c.keys[..., : _length(c), :], c.values[..., : _length(c), :]) for c in kv]
+    others = [c.state for c in target.layers + list(context or []) if not any(c is k for k in kv)]
+    return _nbytes(live, others)
+
+
+def _length(cache) -> int:
+    return cache.offset if isinstance(cache, KVCache) else cache.span().length
+
+
+def _hold(cache, keys: mx.array, values: mx.array, length: int) -> None:
+    """`cache` holding `keys`/`values` (room for more past `length`), its first `length` live."""
+    cache.keys, cache.values, cache.offset = keys, values, length
+    if isinstance(cache, ContextKV):
+        cache._end = length
+
+
+class Pieces:
+    """Token-aligned pieces of token-axis KV states, shared by the entries whose tokens begin
+    alike; a piece goes when the last entry holding it does."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.arrays: dict[bytes, list[mx.array]] = {}  # name -> keys, values of each cache in turn
+        self.holders: dict[bytes, int] = {}
+        self.nbytes = 0
+
+    def names(self, tokens: tuple, count: int) -> list[bytes]:
+        """Names of the first `count` pieces of `tokens`: each hashes every token up to its end."""
+        names, digest = [], b""
+        for start in range(0, count * self.tokens, self.tokens):
+            chunk = ",".join(map(str, tokens[start : start + self.tokens]))
+            digest = hashlib.sha256(digest + chunk.encode()).digest()
+            names.append(digest)
+        return names
+
+    def hold(self, name: bytes, caches: list, index: int) -> None:
+        """One more holder of piece `name`, cut from `caches` (the `index`-th piece) if new."""
+        if name not in self.arrays:
+            cut = slice(index * self.tokens, (index + 1) * self.tokens)
+            arrays = [mx.contiguous(a[..., cut, :]) for c in caches for a in (c.keys, c.values)]
+            mx.eval(arrays)
+            self.arrays[name] = arrays
+            self.holders[name] = 0
+            self.nbytes += sum(a.nbytes for a in arrays)
+        self.holders[name] += 1
+
+    def release(self, names) -> None:
+        for name in names:
+            self.holders[name] -= 1
+            if not self.holders[name]:
+                del self.holders[name]
+                self.nbytes -= sum(a.nbytes for a in self.arrays.pop(name))
+
+
 class PromptCache:
     def __init__(
         self,
@@ -70,8 +143,10 @@ class PromptCache:
         disk_bytes: int = 8 << 30,
         fingerprint: str = "",
         snapshot_every: int = 2048,
+        piece_tokens: int = 128,
     ):
         self.max_bytes, self.snapshot_every = max_bytes, snapshot_every
+        self.pieces = Pieces(piece_tokens)
         self.entries: "OrderedDict[tuple[int, ...], Snapshot]" = OrderedDict()  # least recently used first
         self.trie = PromptTrie()
         self.disk = DiskTier(Path(folder), disk_bytes, fingerprint) if folder is not None else None
@@ -80,7 +155,8 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in list(self.entries.values()))  # list(): one read, safe beside the engine thread
+        owned = sum(e.nbytes for e in list(self.entries.values()))  # list(): one read, safe beside the engine thread
+        return owned + self.pieces.nbytes
 
     def snapshot_interval(self, target: TargetCache) -> Optional[int]:
         """Tokens between snapshots along a prefill for caches like `target`'s: None when every
@@ -106,12 +182,27 @@ class PromptCache:
             return None
         best, shared = found
         self.entries.move_to_end(best.tokens)
-        target, context = copy.deepcopy(best.target), copy.deepcopy(best.context)
+        target, context = self._whole(best, room=len(prompt) - shared)
         if shared < len(best.tokens):
             _cut(target, context, len(best.tokens) - shared)
         self.hits += 1
         self.reused_tokens += shared
         return target, context, shared
+
+    def _whole(self, entry: Snapshot, room: int = 0):
+        """Fresh caches holding all of `entry` (its pieces, then its own tail), with room for
+        `room` more positions so the prefill that follows writes in place."""
+        target, context = copy.deepcopy(entry.target), copy.deepcopy(entry.context)
+        pieces = [self.pieces.arrays[name] for name in entry.pieces]
+        for i, cache in enumerate(_token_axis_caches(target, context)):
+            length = _length(cache)
+            keys = [p[2 * i] for p in pieces] + [cache.keys]  # an entry's caches hold its tail
+            values = [p[2 * i + 1] for p in pieces] + [cache.values]
+            if room:
+                keys.append(mx.zeros((*keys[-1].shape[:2], room, keys[-1].shape[3]), keys[-1].dtype))
+                values.append(mx.zeros((*values[-1].shape[:2], room, values[-1].shape[3]), values[-1].dtype))
+            _hold(cache, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), length)
+        return target, context
 
     def _nearest(self, usable: list[int]) -> Optional[tuple[Snapshot, int]]:
         """The RAM entry sharing the longest usable prefix with `usable`, and that length."""
@@ -128,34 +219,54 @@ class PromptCache:
         if not key or key in self.entries:
             return
         mx.eval(_states(target, context))
-        entry = Snapshot(key, copy.deepcopy(target), copy.deepcopy(context), _nbytes(_states(target, context)))
+        entry = Snapshot(key, copy.deepcopy(target), copy.deepcopy(context), _live_nbytes(target, context))
         if entry.nbytes <= self.max_bytes:
             if _cuttable(entry):
                 self._drop_prefixes(key)
             self._insert(entry)
+
+    def _share(self, entry: Snapshot) -> None:
+        """`entry`'s token-axis states cut into shared pieces (held, or made once) and its own
+        tail; it keeps no array of the caches it was taken from."""
+        caches = _token_axis_caches(entry.target, entry.context)
+        count = min((_length(c) for c in caches), default=0) // self.pieces.tokens
+        names = self.pieces.names(entry.tokens, count)
+        for index, name in enumerate(names):
+            self.pieces.hold(name, caches, index)
+        start = count * self.pieces.tokens
+        for cache in caches:
+            length = _length(cache)
+            keys, values = (mx.contiguous(a[..., start:length, :]) for a in (cache.keys, cache.values))
+            _hold(cache, keys, values, length)
+        mx.eval(_states(entry.target, entry.context))
+        entry.pieces, entry.nbytes = tuple(names), _nbytes(_states(entry.target, entry.context))
 
     def _drop_prefixes(self, key: tuple) -> None:
         """RAM entries whose tokens begin `key`: an entry that can be cut back serves them all (a
         session's every turn would otherwise keep the states of all the turns before it)."""
         while self.entries and (shorter := self.trie.search(MODEL, list(key)).shorter):
             self.trie.pop(MODEL, shorter)
-            self.entries.pop(tuple(shorter))
+            self.pieces.release(self.entries.pop(tuple(shorter)).pieces)
 
     def _insert(self, entry: Snapshot) -> None:
+        self._share(entry)
         self.entries[entry.tokens] = entry
         self.trie.add(MODEL, list(entry.tokens), entry)
         while self.nbytes > self.max_bytes:
             _, evicted = self.entries.popitem(last=False)
             self.trie.pop(MODEL, list(evicted.tokens))
-            if self.disk is not None and not evicted.on_disk:
-                self.disk.write(evicted)  # the RAM tier spills to the disk tier
+            self._spill(evicted)  # the RAM tier spills to the disk tier
+            self.pieces.release(evicted.pieces)
+
+    def _spill(self, entry: Snapshot) -> None:
+        if self.disk is not None and not entry.on_disk:
+            target, context = self._whole(entry)
+            entry.on_disk = self.disk.write(entry.tokens, target, context)
 
     def flush(self) -> None:
         """Every RAM entry not yet on disk written there (a server's shutdown)."""
-        if self.disk is not None:
-            for entry in self.entries.values():
-                if not entry.on_disk:
-                    self.disk.write(entry)
+        for entry in self.entries.values():
+            self._spill(entry)
 
 
 def candidates(trie: PromptTrie, usable: list[int]) -> list[tuple[tuple, int]]:
@@ -263,22 +374,23 @@ class DiskTier:
             return None
         return Snapshot(tokens, target, context, _nbytes(_states(target, context)), on_disk=True)
 
-    def write(self, entry: Snapshot) -> None:
-        path = self._name(entry.tokens)
+    def write(self, tokens: tuple, target: TargetCache, context: Optional[list]) -> bool:
+        """An entry's whole state written to its file; whether it was."""
+        path = self._name(tokens)
         contexts = None
         kv = []
-        if entry.context is not None:
-            contexts = [[c.offset, c.window, c._end] for c in entry.context]
-            kv = [KVCache.from_state((c.keys, c.values, c._end)) for c in entry.context]
+        if context is not None:
+            contexts = [[c.offset, c.window, c._end] for c in context]
+            kv = [KVCache.from_state((c.keys[..., : c._end, :], c.values[..., : c._end, :], c._end)) for c in context]
         meta = {
             "fingerprint": self.fingerprint,
-            "tokens": json.dumps(list(entry.tokens)),
-            "target_layers": str(len(entry.target.layers)),
+            "tokens": json.dumps(list(tokens)),
+            "target_layers": str(len(target.layers)),
             "context": json.dumps(contexts),
         }
         temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
         try:
-            save_prompt_cache(str(temporary), list(entry.target.layers) + kv, meta)
+            save_prompt_cache(str(temporary), list(target.layers) + kv, meta)
             os.replace(temporary, path)
         except OSError as e:
             temporary.unlink(missing_ok=True)
@@ -287,10 +399,10 @@ class DiskTier:
                 style="yellow",
                 soft_wrap=True,
             )
-            return
-        entry.on_disk = True
-        self._add(entry.tokens, path)
+            return False
+        self._add(tokens, path)
         self._bound()
+        return True
 
     def _bound(self) -> None:
         files = sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)

@@ -1,5 +1,7 @@
 """Prefix reuse is exact: a prompt served from the prompt cache decodes exactly as cold."""
 
+from collections import Counter
+
 import mlx.core as mx
 import pytest
 
@@ -36,7 +38,7 @@ def run(model, prompt, cache=None, params=SamplingParams(), seed=None):
 def test_cached_prompts_decode_exactly_as_cold(model_type, overrides):
     target = tiny_target(model_type, seed=2, **overrides)
     model = DFlashModel(target, random_draft(target, block_size=4))
-    cache = PromptCache()
+    cache = PromptCache(piece_tokens=16)  # SYSTEM in two shared pieces and a tail; turn 5 cuts into a piece
     turns = [
         SYSTEM + [5, 6, 7],
         SYSTEM + [5, 6, 7, 8, 9, 10, 11],
@@ -149,7 +151,7 @@ def test_the_state_after_an_answer_serves_the_next_turn(model_type, overrides, d
     decoding too (its passes are pipelined: the last token may already be fed)."""
     target = tiny_target(model_type, seed=2, **overrides)
     model = DFlashModel(target, random_draft(target, block_size=4) if drafter else None)
-    cache = PromptCache()
+    cache = PromptCache(piece_tokens=8)
     prompt, answered = SYSTEM + [5, 6, 7], 0  # answered: tokens of the last prompt + answer
     for turn in range(3):
         answer, cached = run(model, prompt, cache)
@@ -186,7 +188,7 @@ def test_entries_on_disk_survive_a_restart_and_restore_exactly(model_type, overr
     cache (a new PromptCache on the same folder): the next turn prefills only what is new."""
     target = tiny_target(model_type, seed=2, **overrides)
     model = DFlashModel(target, random_draft(target, block_size=4))
-    first = PromptCache(folder=tmp_path, fingerprint="pair-a")
+    first = PromptCache(folder=tmp_path, fingerprint="pair-a", piece_tokens=8)  # written whole
     answer, _ = run(model, SYSTEM, first)
     first.flush()
     # the answer's state, and the prompt's where the caches cannot be cut back to it (hybrids)
@@ -209,7 +211,7 @@ def test_the_ram_tier_spills_to_a_bounded_folder(tmp_path, capsys):
     target = tiny_target("qwen3", seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
     probe = PromptCache()
-    run(model, SYSTEM, probe)
+    run(model, [9] + SYSTEM, probe)  # as long as the entries below
     entry = max(e.nbytes for e in probe.entries.values())
     cache = PromptCache(max_bytes=entry, folder=tmp_path, disk_bytes=6 * entry, fingerprint="pair")
     for k in range(5):
@@ -223,3 +225,33 @@ def test_the_ram_tier_spills_to_a_bounded_folder(tmp_path, capsys):
     PromptCache(folder=tmp_path, fingerprint="pair")
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "broken.safetensors" in said[0] and "passed over" in said[0]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5"])
+def test_sessions_on_one_system_prompt_hold_it_once(model_type):
+    """Entries keep the positions their tokens share once (pieces named by the tokens up to their
+    end): four sessions on one system prompt hold it once, not four times, and restore exactly;
+    a piece goes with the last entry holding it."""
+    target = tiny_target(model_type, seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    sessions = [SYSTEM + [k, k + 1] for k in range(4)]
+    whole, shared = PromptCache(piece_tokens=1 << 20), PromptCache(piece_tokens=8)
+    for prompt in sessions:
+        run(model, prompt, whole)
+        run(model, prompt, shared)
+    assert shared.pieces.nbytes > 0 and shared.nbytes < 0.7 * whole.nbytes, (shared.nbytes, whole.nbytes)
+    for prompt in sessions:
+        follow_up = prompt + [9, 8]
+        warm, cached = run(model, follow_up, shared)
+        assert warm == run(model, follow_up)[0] and cached >= len(prompt) - 1
+
+    def held(cache):
+        return Counter(name for entry in cache.entries.values() for name in entry.pieces)
+
+    assert held(shared) == Counter(shared.pieces.holders) and set(held(shared)) == set(shared.pieces.arrays)
+    alone = PromptCache(piece_tokens=8)
+    run(model, [1, 2, 3], alone)
+    shared.max_bytes = alone.nbytes  # room for that prompt's entries only: every session's go
+    run(model, [1, 2, 3], shared)
+    assert shared.entries.keys() == alone.entries.keys() and shared.nbytes == alone.nbytes
+    assert set(shared.pieces.arrays) == set(held(shared)) == set(alone.pieces.arrays)

@@ -70,7 +70,12 @@ class ContextKV:
 
     @property
     def state(self):
-        return self.keys, self.values
+        """The live entries (what a snapshot of it holds)."""
+        span = self.span()
+        if span is None:
+            return None, None
+        live = slice(span.start, span.start + span.length)
+        return span.keys[..., live, :], span.values[..., live, :]
 
     # the attention-context protocol DraftAttention calls
     @property
