@@ -254,7 +254,7 @@ def test_prefixes_are_reused_by_requests_filling_together(model_type, overrides)
     kv_only = model_type == "llama" and not overrides
     system = list(range(30, 70))
     first, second = [system + [5, 6, 7], system + [1, 2]], [system + [5, 6, 7, 8, 9], system + [1, 2], [3, 4, 5, 6]]
-    cache = PromptCache()
+    cache = PromptCache(piece_tokens=8)  # prompts cut into shared pieces
     for wave, hits in ((first, [0, 0]), (second, [len(first[0]) - 1, len(first[1]) - 1, 0])):
         decoder = Decoder(model, prompt_cache=cache)
         stats = [DecodeStats() for _ in wave]
@@ -595,13 +595,15 @@ def test_memory_returns_to_its_baseline_after_a_load(monkeypatch):
     assert mx.get_active_memory() <= baseline + 64 * 1024
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_5", "gpt_oss"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"]
+)
 def test_answers_decoded_together_serve_their_next_turns(model_type):
     """Two sessions decoded in one batch: the state after each answer is kept when its row
     leaves, and each next turn (prompt + answer + a message) prefills only what is new, exactly."""
     target = tiny_target(model_type, seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
-    cache = PromptCache()
+    cache = PromptCache(piece_tokens=8)
     prompts = [PROMPTS[0], PROMPTS[2]]
     for turn in range(2):
         decoder = Decoder(model, prompt_cache=cache, max_batch=4)
