@@ -208,8 +208,11 @@ def serve(
         "--max-batch-tokens",
         help="Tokens a batch's caches may hold, rows x the longest row (default 32768); a longer request runs alone.",
     ),
-    prompt_cache_bytes: int = typer.Option(
-        1 << 30, "--prompt-cache-bytes", help="Memory for reusable prompt prefixes (0: off)."
+    prompt_cache_bytes: Optional[int] = typer.Option(
+        None,
+        "--prompt-cache-bytes",
+        help="Memory for reusable prompt prefixes (default: a quarter of the memory left after the weights, "
+        "at least 1 GiB; 0: off).",
     ),
     prompt_cache_dir: Optional[str] = typer.Option(
         None,
@@ -265,7 +268,7 @@ def serve(
         fail(f"--drain-seconds must be between 0 and 3600, got {drain_seconds}")
     from .api import load
 
-    if prompt_cache_bytes < 0:
+    if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
         fail(f"--prompt-cache-bytes must be >= 0, got {prompt_cache_bytes}")
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty; give a key, or leave the option out")
@@ -274,7 +277,7 @@ def serve(
     if prompt_cache_dir is not None:
         from .io.storage import writable
 
-        if not prompt_cache_bytes:
+        if prompt_cache_bytes == 0:
             fail("--prompt-cache-dir needs the prompt cache: drop --prompt-cache-bytes 0")
         writable(Path(prompt_cache_dir), "prompt cache")
     pipeline = pipeline_options(distributed, split, timeout)
@@ -288,7 +291,7 @@ def serve(
             except KeyboardInterrupt:  # Ctrl-C reaches every rank of mlx.launch; rank 0 reports
                 pass
             return
-        if prompt_cache_bytes:
+        if prompt_cache_bytes != 0:
             typer.secho(
                 "note: prefix reuse is off with --distributed (the other ranks' caches are not snapshotted yet)",
                 err=True,

@@ -5,6 +5,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from mlx.utils import tree_flatten
+
 from .drafters import DFlashDraftModel
 from .sampling import TokenLogprob
 from .target import Target
@@ -28,6 +30,12 @@ class DFlashModel:
     @property
     def feature_layers(self) -> list[int]:
         return self.draft.target_layer_ids if self.draft else []
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the target's weights and the drafter's own."""
+        modules = [self.target.model] + ([self.draft] if self.draft is not None else [])
+        return sum(a.nbytes for module in modules for _, a in tree_flatten(module.parameters()))
 
 
 @dataclass

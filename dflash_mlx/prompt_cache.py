@@ -71,6 +71,10 @@ def _states(target, context) -> list:
     return [c.state for c in target.layers] + [c.state for c in context or []]
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _token_axis_caches(target, context) -> list:
     """The caches holding keys and values for every position from the first, in one array each
     (plain KV caches, a drafter context without a window): the ones cut into shared pieces."""
@@ -135,6 +139,20 @@ class Pieces:
                 self.nbytes -= sum(a.nbytes for a in self.arrays.pop(name))
 
 
+def machine_memory() -> int:
+    """Bytes the device may hold: the GPU's recommended working set on a Mac, else the RAM."""
+    info = mx.device_info()
+    found = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    return int(found) if found else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_bytes(weights: int, memory: int) -> int:
+    """The prompt cache's default bound: a quarter of what `memory` leaves after the `weights`
+    (the rest for the decoding caches and activations), at least 1 GiB: an agent's prompt of
+    20k tokens on an 8B model is ~3 GB of fp16 keys and values, which a fixed 1 GiB would never keep."""
+    return max(1 << 30, (memory - weights) // 4)
+
+
 class PromptCache:
     def __init__(
         self,
@@ -152,6 +170,7 @@ class PromptCache:
         self.disk = DiskTier(Path(folder), disk_bytes, fingerprint) if folder is not None else None
         self.hits = 0
         self.reused_tokens = 0
+        self.refused = 0  # states larger than the whole cache, not kept (said once)
 
     @property
     def nbytes(self) -> int:
@@ -220,10 +239,23 @@ class PromptCache:
             return
         mx.eval(_states(target, context))
         entry = Snapshot(key, copy.deepcopy(target), copy.deepcopy(context), _live_nbytes(target, context))
-        if entry.nbytes <= self.max_bytes:
-            if _cuttable(entry):
-                self._drop_prefixes(key)
-            self._insert(entry)
+        if entry.nbytes > self.max_bytes:
+            self._refuse(entry)
+            return
+        if _cuttable(entry):
+            self._drop_prefixes(key)
+        self._insert(entry)
+
+    def _refuse(self, entry: Snapshot) -> None:
+        if not self.refused:
+            console.print(
+                f"note: a prompt's state ({len(entry.tokens)} tokens, {_size(entry.nbytes)}) is larger than "
+                f"the whole prompt cache ({_size(self.max_bytes)}), so it is not kept and a request "
+                "sharing it prefills it again; raise the cache's bytes (--prompt-cache-bytes) to keep it",
+                style="yellow",
+                soft_wrap=True,
+            )
+        self.refused += 1
 
     def _share(self, entry: Snapshot) -> None:
         """`entry`'s token-axis states cut into shared pieces (held, or made once) and its own

@@ -7,7 +7,7 @@ import pytest
 
 from dflash_mlx.engine import Decoder, decode
 from dflash_mlx.model import DecodeStats, DFlashModel
-from dflash_mlx.prompt_cache import PromptCache
+from dflash_mlx.prompt_cache import PromptCache, default_bytes
 from dflash_mlx.request import Request
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import random_draft, tiny_target
@@ -221,6 +221,7 @@ def test_the_ram_tier_spills_to_a_bounded_folder(tmp_path, capsys):
     assert sum(f.stat().st_size for f in files) <= 6 * entry * 1.1  # bounded (+ file headers)
     warm, cached = run(model, [4] + SYSTEM + [9], cache)
     assert cached >= len(SYSTEM) and warm == run(model, [4] + SYSTEM + [9])[0]
+    capsys.readouterr()  # (a state longer than the one-entry cache was said too)
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     PromptCache(folder=tmp_path, fingerprint="pair")
     said = capsys.readouterr().err.strip().splitlines()
@@ -255,3 +256,22 @@ def test_sessions_on_one_system_prompt_hold_it_once(model_type):
     run(model, [1, 2, 3], shared)
     assert shared.entries.keys() == alone.entries.keys() and shared.nbytes == alone.nbytes
     assert set(shared.pieces.arrays) == set(held(shared)) == set(alone.pieces.arrays)
+
+
+def test_a_state_larger_than_the_cache_is_said_once(capsys):
+    """A prompt cache too small for a prompt's state keeps nothing of it: said in one line (the
+    first time), not left for the user to discover as slow turns."""
+    target = tiny_target("qwen3", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    small = PromptCache(max_bytes=1024)
+    for prompt in (SYSTEM, SYSTEM + [1, 2]):
+        assert run(model, prompt, small)[1] == 0
+    said = capsys.readouterr().err.strip().splitlines()
+    assert not small.entries and small.refused >= 2
+    assert len(said) == 1 and "larger than the whole prompt cache" in said[0] and "--prompt-cache-bytes" in said[0]
+
+
+def test_the_default_bound_leaves_room_for_the_weights_and_decoding():
+    gib = 1 << 30
+    assert default_bytes(weights=4 * gib + gib // 2, memory=32 * gib) == (27 * gib + gib // 2) // 4
+    assert default_bytes(weights=14 * gib, memory=16 * gib) == gib  # never below 1 GiB

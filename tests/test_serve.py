@@ -15,6 +15,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="the dev extra installs uvicorn"
 from dflash_mlx import generate, load  # noqa: E402
 from dflash_mlx.api import format_prompt  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background  # noqa: E402
+from dflash_mlx.prompt_cache import machine_memory  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live servers
 
@@ -112,6 +113,9 @@ def test_models_health_metrics(served):
     dflash = models.data[0].model_extra["dflash"]
     assert models.data[0].id == MODEL and dflash["batching"] is True and dflash["max_batch"] == 8
     assert dflash["max_batch_tokens"] == 32768
+    # the prompt cache sized for the machine: a quarter of what the weights leave, at least 1 GiB
+    memory = machine_memory()
+    assert dflash["prefix_cache_bytes"] == max(1 << 30, (memory - server.model.weight_bytes) // 4) < memory
     assert raw(port, "/health") == (200, '{"status":"ok"}')
     status, text = raw(port, "/metrics")
     assert status == 200 and "dflash_tau" in text and 'dflash_requests_total{status="200"}' in text

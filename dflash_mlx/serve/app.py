@@ -25,7 +25,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from ..prompt_cache import PromptCache
+from ..prompt_cache import PromptCache, default_bytes, machine_memory
 from .anthropic_api import AnthropicAPI
 from .guard import Guard
 from .metrics import Metrics
@@ -45,7 +45,7 @@ class Server:
         model_id: str,
         max_queue: int = 16,
         context: Optional[int] = None,
-        prompt_cache_bytes: int = 1 << 30,
+        prompt_cache_bytes: Optional[int] = None,
         max_batch: int = 8,
         max_batch_tokens: Optional[int] = None,
         prompt_cache_dir: Optional[str] = None,
@@ -55,6 +55,8 @@ class Server:
         """`access`: Guard's options (bind_host, allow_hosts, cors_origins, api_key)."""
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.prompt_cache = None
+        if prompt_cache_bytes is None:  # sized for the machine and the model
+            prompt_cache_bytes = default_bytes(model.weight_bytes, machine_memory())
         if prompt_cache_bytes > 0:
             self.prompt_cache = PromptCache(
                 prompt_cache_bytes,
@@ -145,6 +147,7 @@ class Server:
                             "max_batch": self.max_batch,
                             "max_batch_tokens": self.max_batch_tokens if self.max_batch > 1 else None,
                             "prefix_cache": self.prompt_cache is not None,
+                            "prefix_cache_bytes": self.prompt_cache.max_bytes if self.prompt_cache else 0,
                             "pipeline_ranks": getattr(self.model.target, "size", 1),
                         },
                     }
@@ -238,7 +241,7 @@ def make_app(
     tokenizer,
     model_id: str,
     max_queue: int = 16,
-    prompt_cache_bytes: int = 1 << 30,
+    prompt_cache_bytes: Optional[int] = None,
     max_batch: int = 8,
     max_batch_tokens: Optional[int] = None,
     prompt_cache_dir: Optional[str] = None,
