@@ -134,7 +134,11 @@ class StepTimes:
 
     With a `store` (a file beside the machine's cost curve), what the steps taught is kept every
     `save_every` steps and read back by the next process, so a fresh server does not pay again
-    to learn which shapes are dear; it holds for the curve it was learnt against (`basis`)."""
+    to learn which shapes are dear; it holds for the curve it was learnt against (`basis`).  A
+    shape read back is forgotten after the process's first `trust_stored_for` steps unless it
+    runs again by then: what was learnt on a busy machine (another job on the cores) would
+    otherwise keep the wide verifies it made dear off for the next process's first
+    `forget_after` steps (traced: copies verified 2 tokens at a time for a whole prompt)."""
 
     def __init__(
         self,
@@ -143,8 +147,9 @@ class StepTimes:
         basis: Sequence[float] = (),
         save_every: int = 50,
         forget_after: int = 500,
+        trust_stored_for: int = 64,
     ):
-        self.window, self.forget_after = window, forget_after
+        self.window, self.forget_after, self.trust_stored_for = window, forget_after, trust_stored_for
         self.seen: dict[tuple[int, int, int], deque] = {}  # (rows, width, span) -> its last `window` ratios
         self.ratios: dict[tuple[int, int, int], float] = {}
         self.seen_at: dict[tuple[int, int, int], int] = {}  # (rows, width, span) -> the step it last ran at
@@ -172,12 +177,13 @@ class StepTimes:
                     raise ValueError("not a step time")
                 times.seen[rows, width, span] = deque(ratios[-window:], maxlen=window)
                 times.ratios[rows, width, span] = times._typical(times.seen[rows, width, span], width)
+                times.seen_at[rows, width, span] = times.trust_stored_for - times.forget_after
         except (ValueError, TypeError, KeyError, OSError) as e:  # truncated, foreign or from another version
             console.print(
                 f"note: the step times in {store} are unreadable ({type(e).__name__}); learning them again",
                 style="yellow",
             )
-            times.seen, times.ratios = {}, {}
+            times.seen, times.ratios, times.seen_at = {}, {}, {}
         return times
 
     @staticmethod

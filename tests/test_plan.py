@@ -363,3 +363,20 @@ def test_a_shape_judged_dear_is_forgotten_after_a_while():
     assert times.ratio(1, 8) == pytest.approx(5.0)
     times.observe(1, 1, modelled=0.1, seconds=0.1)
     assert (1, 8) not in times.ratios and times.ratio(1, 8) == pytest.approx(1.0)  # judged by its neighbours
+
+
+def test_shapes_read_back_are_trusted_for_a_while_only(tmp_path):
+    """A shape learnt dear by an earlier process (a busy machine) is forgotten after the new
+    process's first `trust_stored_for` steps unless it runs again; one that runs stays."""
+    store = tmp_path / "steps.json"
+    busy = StepTimes(store=store, basis=[1.0])
+    busy.observe(1, 8, modelled=0.1, seconds=0.5)  # width 8 at 5x the curve
+    busy.observe(1, 4, modelled=0.1, seconds=0.3)
+    busy.save()
+    fresh = StepTimes.stored(store, basis=[1.0])
+    assert fresh.ratio(1, 8) == pytest.approx(5.0)
+    for _ in range(fresh.trust_stored_for):
+        fresh.observe(1, 4, modelled=0.1, seconds=0.1)
+    assert fresh.ratio(1, 8) == pytest.approx(5.0)  # within the trusted steps
+    fresh.observe(1, 4, modelled=0.1, seconds=0.1)
+    assert fresh.ratio(1, 8) == pytest.approx(1.0) and len(fresh.ratios) == 1  # forgotten: judged by width 4
