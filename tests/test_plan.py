@@ -181,7 +181,8 @@ def test_the_first_step_is_plain_for_the_time_to_first_token():
     planner.start(joining)
     joining.produced = 0
     assert planner.plan([row, joining]) == [PLAIN, PLAIN]
-    assert planner.plan([row, joining], lookahead=1)[0].width == 16
+    after = planner.plan([row, joining], lookahead=1)
+    assert [plan.source for plan in after] == ["lookup", "lookup"] and after[0].width > 8  # both copy then
 
 
 def test_a_wrong_copy_is_paid_once_and_a_faithful_one_never_held_back():
@@ -380,3 +381,19 @@ def test_shapes_read_back_are_trusted_for_a_while_only(tmp_path):
     assert fresh.ratio(1, 8) == pytest.approx(5.0)  # within the trusted steps
     fresh.observe(1, 4, modelled=0.1, seconds=0.1)
     assert fresh.ratio(1, 8) == pytest.approx(1.0) and len(fresh.ratios) == 1  # forgotten: judged by width 4
+
+
+def test_a_long_agreement_is_copied_wide_from_its_first_try():
+    """Before any copy of its kind was tried, a copy is judged by how many tokens its match
+    agrees on (Laplace's rule of succession): a 16-token agreement is verified wide from the
+    first try, a one-token match narrow, and a kind that then goes wrong loses its width."""
+    planner = Planner(cpu_like(), 16)
+    row = Row()
+    planner.start(row)
+    wide = best(planner, row, lookup=Match(tuple(range(40)), 16))
+    narrow = best(planner, row, lookup=Match(tuple(range(40)), 1))
+    assert wide.source == "lookup" and wide.width >= 8 and narrow.width < wide.width / 2
+    for _ in range(3):  # three wide copies of its kind wrong at their first token
+        plan = best(planner, row, lookup=Match(tuple(range(40)), 16))
+        run(planner, row, plan, 0)
+    assert best(planner, row).width <= 2
