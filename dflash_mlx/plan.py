@@ -20,7 +20,8 @@ is flat in its length (a Mac GPU), drafting pays at small and medium batch sizes
 A row's first step is plain (and so is that step for the rows beside it), so its first token
 is out as early as plain decoding gives it.
 Acceptance estimates are per row (its generation): each starts from a prior, the long-run
-estimate of that kind over everything decoded so far, and follows the evidence of its last
+estimate of that kind over everything decoded so far (for a copy, starting from what its match's
+agreement says: `copy_prior`), and follows the evidence of its last
 cycles (every cycle ages it, so it drifts back to the prior when a kind has not been tried
 lately).  The drafter's are per position (its later tokens are guessed from less); a copy's
 are one rate for every position (a copy goes wrong where the text was changed, wherever that
