@@ -321,9 +321,13 @@ def serve(
         typer.secho(
             f"note: requests are decoded one at a time ({server.batch_refusal})", err=True, fg=typer.colors.YELLOW
         )
+    reuse = (
+        f"prompt cache {server.prompt_cache.max_bytes / 2**30:.1f} GiB" if server.prompt_cache else "no prompt cache"
+    )
     typer.secho(
         f"serving {name} on http://{host}:{port}/v1 (drafter: "
-        f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}); Ctrl-C drains and stops",
+        f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}; {reuse}); "
+        "Ctrl-C drains and stops",
         err=True,
     )
     try:

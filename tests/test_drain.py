@@ -4,6 +4,7 @@ with exit 0, no traceback and a prompt-cache folder holding only whole entries."
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +112,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_dirs, tmp_path, drain):
     finally:
         proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err, err[-800:]
+    assert re.search(r"serving .*; prompt cache \d+\.\d GiB\)", err), err[-800:]  # the bound, said at start
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     model, tokenizer = load(str(model_dir), use_draft=False)
