@@ -139,7 +139,8 @@ def copy_prior(kind: str) -> float:
     succession the next agrees with probability (n + 1) / (n + 2): 0.67 for a one-token match,
     0.83 for 4, 0.91 for 9-16.  (A flat 0.5 verified even a 16-token agreement 2 tokens at a
     time until its kind had earned more, in every fresh process.)"""
-    length = int(kind.lstrip("abcdefghijklmnopqrstuvwxyz"))
+    source = next(source for source in COPIES if kind.startswith(source))
+    length = int(kind[len(source) :])  # Plan.kind: the source, then its match's length (class)
     shortest = max((bucket + 1 for bucket in MATCH_BUCKETS if bucket < length), default=length)
     return (shortest + 1) / (shortest + 2)
 
