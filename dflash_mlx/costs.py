@@ -277,7 +277,7 @@ def measure_costs(
     tokens = mx.arange(context, dtype=mx.int32)[None] % target.vocab_size
     layers = draft.target_layer_ids if draft is not None else []
     cache = target.make_cache()
-    _, features = target(tokens, cache, layers, logits_for_last_only=True)
+    _, features = target(tokens, cache, layers, logits_at=[context - 1])
     mx.eval(features)
     dcache = None
     draft_widths = sorted({2, draft.block_size}) if draft is not None else []

@@ -1,9 +1,8 @@
 """The DFlash decode loop: one step for one request or many.
 
     join     waiting prompts are prefilled together, one chunk each per step in one target
-             pass, all but their last token (from the longest prefix the prompt cache
-             holds); then they join the decoding rows, the last token being their first
-             step's block
+             pass (from the longest prefix the prompt cache holds); the pass that ends a
+             prompt chooses its first token, and the row joins the decoding rows
     plan     each row's proposal and the step's verify width (plan.py)
     propose  per row: the drafter ([last token, MASK x (w-1)], one pass for the rows drafting
              at one width), tokens copied by the prompt lookup or from earlier answers, or
@@ -186,18 +185,13 @@ class Decoder:
             self.model.planner.step_times.flush()  # idle: keep what was learnt for the next process
 
     def step(self) -> BatchStep:
-        """One prefill chunk of the requests joining (those with room start theirs), then one
-        decode step of the rows.  Rows that reach their max_tokens leave by themselves.  A
-        queued pass is for the rows as they were: it is taken before anyone joins."""
+        """One decode step of the rows, then one prefill chunk of the requests joining (those
+        with room start theirs; those whose prompt is in have their first token and decode from
+        the next step).  Rows that reach their max_tokens leave by themselves."""
         with mx.stream(self.stream):
-            pipelined = self._queued is not None
-            if not pipelined:
-                self._join()
-            steps, size, width = {}, len(self.rows), 0
-            if self.rows:
-                width = self._decode(steps)
-            if pipelined:
-                self._join()
+            steps, size = {}, len(self.rows)
+            width = self._decode(steps) if self.rows else 0
+            self._join(steps)
             self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
         return BatchStep(size, width, steps)
 
@@ -212,29 +206,25 @@ class Decoder:
                 j = self._queued.uids.index(row.uid)
                 row.context.add(None if self._queued.features is None else self._queued.features[j : j + 1, :1])
                 fed = row.prompt + row.output
-            if row.output:
-                self.prompt_cache.store(fed, self.cache.extract(i), row.context.flush())
+            self.prompt_cache.store(fed, self.cache.extract(i), row.context.flush())
 
     # ------------------------------------------------------------ joining
 
-    def _join(self) -> None:
+    def _join(self, steps: dict) -> None:
         self._admit()
         if self.filling:
-            self._fill()
+            self._fill(steps)
 
     def _admit(self) -> None:
         """Waiting requests start their prefill (first come, first served: a long request waits
         for room instead of being overtaken for ever) from the longest prefix the prompt cache
-        holds; one with nothing left to prefill joins the decoding rows at once."""
+        holds (never the last token: its pass chooses the first one)."""
         while self.waiting and self._room_for(self.waiting[0]):
             row = self.waiting.pop(0)
             tcache, start = restore_prefix(self.model, row, self.prompt_cache)
-            row.unfilled = row.prompt[start:-1]
-            if row.unfilled:
-                self.filling.append(row)
-                self.fill_cache = self._joined(self.fill_cache, [tcache])
-            else:
-                self._enter([row], self._joined(None, [tcache]))
+            row.unfilled = row.prompt[start:]
+            self.filling.append(row)
+            self.fill_cache = self._joined(self.fill_cache, [tcache])
 
     def _room_for(self, row: Request) -> bool:
         others = self.rows + self.filling
@@ -249,31 +239,40 @@ class Decoder:
         )
         return (len(others) + 1) * longest <= self.max_batch_tokens
 
-    def _fill(self) -> None:
+    def _fill(self, steps: dict) -> None:
         """The next chunk of every filling row's prompt, in one target pass (right-padded to the
         longest chunk, PREFILL_STEP tokens in all, so the decoding rows wait for one chunk's pass
-        only); the rows whose prompt is in join the decoding rows."""
+        only); the rows whose prompt is in have their first token chosen from its logits (their
+        Step goes into `steps`) and join the decoding rows."""
         rows, tic = self.filling, self.clock()
         span = max(PREFILL_STEP // len(rows), 1)
         chunks = [row.unfilled[: self._chunk_length(row, span)] for row in rows]
         lengths = [len(chunk) for chunk in chunks]
         tokens = mx.array([chunk + [0] * (max(lengths) - len(chunk)) for chunk in chunks])
         self.fill_cache.pad_right(lengths)
-        _, features = self.model.target(tokens, self.fill_cache, self.model.feature_layers, logits_for_last_only=True)
+        logits, features = self.model.target(
+            tokens, self.fill_cache, self.model.feature_layers, logits_at=[n - 1 for n in lengths]
+        )
         self.fill_cache.finalize()
+        firsts = {}
         for i, (row, n) in enumerate(zip(rows, lengths)):
             row.context.add(None if features is None else features[i : i + 1, :n])
             row.unfilled = row.unfilled[n:]
-            done = len(row.prompt) - 1 - len(row.unfilled)
-            if self.snapshot_every and row.unfilled and done % self.snapshot_every == 0:
+            done = len(row.prompt) - len(row.unfilled)
+            if not row.unfilled:
+                firsts[i] = choose(masked(logits[i], row.masks([])), row.params, row.noise_at(0, 1))
+            elif self.snapshot_every and (done % self.snapshot_every == 0 or len(row.unfilled) == 1):
                 self.prompt_cache.store(row.prompt[:done], self.fill_cache.extract(i), row.context.flush())
         mx.eval(
             tree_arrays([c.state for c in self.fill_cache.layers]),
             tree_arrays([c.state for row in rows for c in row.context.flush() or []]),
+            list(firsts.values()),
         )
         seconds = self.clock() - tic
         for row in rows:
             row.stats.prompt_seconds += seconds
+        for i, chosen in firsts.items():
+            steps[rows[i].uid] = rows[i].record(None, chosen.tolist(), 0, logits[i])
         done = [i for i, row in enumerate(rows) if not row.unfilled]
         if len(done) < len(rows):
             mx.clear_cache()  # a long prompt's chunks: their activations are not kept
@@ -286,23 +285,24 @@ class Decoder:
             self._enter([rows[i] for i in done], joining)
 
     def _chunk_length(self, row: Request, span: int) -> int:
-        """`span` tokens, or fewer to end at the next snapshot along the prompt."""
+        """`span` tokens, or fewer to end at the next snapshot along the prompt (the last
+        before its last token is one: a retried prompt restores it)."""
         if not self.snapshot_every:
             return span
-        done = len(row.prompt) - 1 - len(row.unfilled)
-        return min(span, self.snapshot_every - done % self.snapshot_every)
+        done = len(row.prompt) - len(row.unfilled)
+        return min(span, self.snapshot_every - done % self.snapshot_every, max(len(row.unfilled) - 1, 1))
 
     def _enter(self, rows: list[Request], joining) -> None:
-        """Rows holding all of their prompt but its last token (in `joining`, their cache) join
-        the decoding rows (the last token is their first step's, as in a decode step); a long
-        prefill is kept for reuse."""
+        """Rows holding all of their prompt (in `joining`, their cache) and their first token
+        join the decoding rows; a long prefill is kept for reuse."""
         for i, row in enumerate(rows):
-            # kept now when much was prefilled (other requests may share it before this one ends)
-            # or when the state after the answer cannot be cut back to it (a retried prompt); else
-            # that state, kept when the row leaves, serves the next turn and a retry alike
-            prefilled = len(row.prompt) - 1 - row.stats.cached_tokens
-            if self.prompt_cache is not None and (prefilled >= PREFILL_STEP or self.snapshot_every):
-                self.prompt_cache.store(row.prompt[:-1], joining.extract(i), row.context.flush())
+            # kept now when much was prefilled (other requests may share it before this one
+            # ends); else the state after the answer, kept when the row leaves, serves the next
+            # turn and a retry alike (a cache that cannot be cut back kept the prompt but its
+            # last token on the way, for a retry)
+            prefilled = len(row.prompt) - row.stats.cached_tokens
+            if self.prompt_cache is not None and prefilled >= PREFILL_STEP and not self.snapshot_every:
+                self.prompt_cache.store(row.prompt, joining.extract(i), row.context.flush())
         if self.cache is None:
             self.cache = joining
         else:
@@ -373,10 +373,7 @@ class Decoder:
         if planner is not None:
             planner.learn(rows, done.plans, [k - 1 for k in keeps], seconds)
         for row in rows:
-            if row.produced == len(steps[row.uid].tokens):  # its first tokens: time to first token
-                row.stats.prompt_seconds += seconds
-            else:
-                row.stats.decode_seconds += seconds
+            row.stats.decode_seconds += seconds
         return width
 
     def _pass(self, rows: list[Request], plans: list[Plan], lasts: list[mx.array], ahead: int) -> Pass:

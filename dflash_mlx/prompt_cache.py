@@ -3,9 +3,9 @@ prompt, an agent's many requests): snapshots of the target caches and the drafte
 context, looked up by a token trie (mlx-lm's PromptTrie), in an LRU bounded in bytes, and
 optionally in a folder on disk that survives a restart.
 
-Snapshots are taken when a request leaves (its prompt + answer, engine.py), and after
-prefilling all of a prompt but its last token when that prefill was long or the caches cannot
-be cut back.  A new prompt restores the snapshot sharing its
+Snapshots are taken when a request leaves (its prompt + answer, engine.py), after prefilling a
+prompt when that prefill was long, and, when the caches cannot be cut back, before its last
+token (a retried prompt).  A new prompt restores the snapshot sharing its
 longest prefix and prefills only the rest.  A snapshot is used whole when the new prompt
 extends its tokens (any cache kind, GatedDeltaNet states included); cut back to a shorter
 shared prefix only when every cache can be cut (plain KV caches, and a drafter context that
@@ -13,7 +13,7 @@ has not dropped entries from a window).  Where a cache cannot be cut (a hybrid t
 recurrent state), snapshots are also taken every `snapshot_every` tokens along a prompt's
 prefill, as vLLM's hybrid prefix caching does, so a prompt that departs from an earlier one
 midway (a client re-rendering an old turn) restores the nearest one before it.  The last
-prompt token is always prefilled, so the first generated token comes from a fresh pass.
+prompt token is always prefilled: its pass chooses the first generated token.
 
 Entries share what their tokens share: KV states that grow along the token axis (full-attention
 layers, the drafter's context) are kept in pieces of `piece_tokens` positions, each named by a

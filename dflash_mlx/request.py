@@ -66,8 +66,8 @@ class Request:
     estimates: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate (plan.py)
     since_draft: int = 0
     copy_widths: dict = field(default_factory=dict)  # copy kind -> widest next proposal (plan.py)
-    unfilled: list[int] = field(default_factory=list)  # prompt tokens still to prefill (all but the last)
-    token: int = -1  # the last committed token (the prompt's last, until its first step)
+    unfilled: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    token: int = -1  # the last committed token
     output: list[int] = field(default_factory=list)  # every committed token
 
     def begin(self, model: DFlashModel) -> None:
@@ -81,7 +81,6 @@ class Request:
         self.lookup = PromptLookup(self.prompt) if self.adaptive else None
         self.suffixes = model.suffixes if self.adaptive else None
         self.constraint = self.grammar.start() if self.grammar is not None else None
-        self.token = self.prompt[-1]
         if model.planner is not None:
             model.planner.start(self)
 
@@ -121,18 +120,20 @@ class Request:
         """The grammar's masks after each prefix of `proposal` (None without a grammar)."""
         return None if self.constraint is None else self.constraint.masks(proposal)
 
-    def record(self, plan: Plan, committed: list[int], accepted: int, logits: mx.array) -> Step:
+    def record(self, plan: Optional[Plan], committed: list[int], accepted: int, logits: mx.array) -> Step:
         """A cycle committed `committed` (`accepted` of them drafted), chosen from `logits` (one
-        row per token): the Step out, the state moved on."""
+        row per token): the Step out, the state moved on.  `plan` None: the first token, chosen
+        by the prompt's last pass (not a decode cycle)."""
         if self.constraint is not None:
             self.constraint.commit(committed)
         if self.lookup is not None:
             self.lookup.extend(committed)
         self.token = committed[-1]
         self.output += committed
-        self.stats.accepted_lengths.append(len(committed))
-        self.stats.widths.append(plan.width)
-        self.stats.sources.append(plan.source)
+        if plan is not None:
+            self.stats.accepted_lengths.append(len(committed))
+            self.stats.widths.append(plan.width)
+            self.stats.sources.append(plan.source)
         return Step(
             committed, accepted, None if self.logprobs is None else token_logprobs(logits, committed, self.logprobs)
         )

@@ -10,7 +10,7 @@ class), each calling the module it replaces:
                       output when the current pass asks for that layer's features
   RecordingGatedDelta every GatedDeltaNet mixer: during a verify pass, runs the
                       mirror in gated_delta.py that records the replay tape
-  FinalNormTap        the final norm: for a prefill chunk, only the last
+  FinalNormTap        the final norm: for a prefill chunk, only each row's last
                       position goes on to the output head
 
 Where MLX has no kernel for them (a CPU), its norms and RoPEs are compiled first
@@ -147,9 +147,9 @@ class _Pass:
     def __init__(self):
         self.reset()
 
-    def reset(self, wanted=(), last_only=False, handlers=()):
+    def reset(self, wanted=(), logits_at=None, handlers=()):
         self.wanted = frozenset(wanted)
-        self.last_only = last_only
+        self.logits_at = logits_at
         self.gated_delta = {id(h.cache): h for h in handlers if isinstance(h, GatedDeltaState)}
         self.outputs = {}
 
@@ -184,9 +184,15 @@ class RecordingGatedDelta(StandIn):
         return out
 
 
+def at_positions(x: mx.array, positions) -> mx.array:
+    """(B, 1, ...): row b's position positions[b] of `x` (B, L, ...)."""
+    return x[mx.arange(x.shape[0]), mx.array(positions)][:, None]
+
+
 class FinalNormTap(StandIn):
     def __call__(self, h: mx.array) -> mx.array:
-        return self.inner(h[:, -1:] if self._pass.last_only else h)  # the norm is per position
+        at = self._pass.logits_at  # the norm is per position: the others need not go on
+        return self.inner(h if at is None else at_positions(h, at))
 
 
 def model_parts(model: nn.Module):
@@ -298,20 +304,20 @@ class Target:
         tokens: mx.array,
         cache: TargetCache,
         feature_layers: Sequence[int] = (),
-        logits_for_last_only: bool = False,
+        logits_at: Sequence[int] | None = None,
     ) -> tuple[mx.array, mx.array | None]:
-        """Forward `tokens` (1, L) on top of `cache` through the model's own forward.
+        """Forward `tokens` (B, L) on top of `cache` through the model's own forward.
 
-        Returns logits (1, L, V) (or (1, 1, V) for the last position only) and
-        the concatenated outputs of `feature_layers` (1, L, len * hidden), or
+        Returns logits (B, L, V) (or (B, 1, V) at one position per row, `logits_at`) and
+        the concatenated outputs of `feature_layers` (B, L, len * hidden), or
         None when none are asked for.
         """
-        self._pass.reset(feature_layers, logits_for_last_only, cache.handlers)
+        self._pass.reset(feature_layers, logits_at, cache.handlers)
         try:
             logits = self.model(tokens, cache=cache.layers)
             captured = self._pass.outputs
-            if logits_for_last_only and self.norm is None:
-                logits = logits[:, -1:]
+            if logits_at is not None and self.norm is None:
+                logits = at_positions(logits, logits_at)
         finally:
             self._pass.reset()
         return logits, self._features(captured, feature_layers, tokens.shape[1]) if feature_layers else None

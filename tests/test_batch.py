@@ -203,7 +203,7 @@ class Recording:
         return getattr(self.target, name)
 
     def __call__(self, tokens, *args, **kwargs):
-        if kwargs.get("logits_for_last_only"):
+        if kwargs.get("logits_at") is not None:
             self.prefills.append(tuple(tokens.shape))
         return self.target(tokens, *args, **kwargs)
 
@@ -215,9 +215,9 @@ class Recording:
 )
 def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypatch):
     """Prompts waiting at once are prefilled in one pass per chunk (40 tokens a pass, shared by
-    the rows filling, right-padded to the longest); each joins the decoding batch as soon as all
-    of its prompt but the last token is in, while the longer ones fill beside it; a one-token
-    prompt joins at once.  Every output exact."""
+    the rows filling, right-padded to the longest); each has its first token from the pass that
+    ends its prompt and joins the decoding batch, while the longer ones fill beside it.  Every
+    output exact."""
     monkeypatch.setattr(engine, "PREFILL_STEP", 40)
     target = tiny_target(model_type, seed=2, **overrides)
     prompts = PROMPTS + [[77], [(7 * i) % 90 + 1 for i in range(40)]]  # 8, 3, 30, 1 and 40 tokens
@@ -231,8 +231,8 @@ def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypat
         sizes.append(step.size)
         for uid, s in step.steps.items():
             out.setdefault(uid, []).extend(s.tokens)
-    assert recording.prefills == [(4, 10), (2, 20), (1, 9)]  # 4 rows x 10, the 30 and 40 ones x 20, the 40 one's last 9
-    assert sizes[:3] == [3, 4, 5]
+    assert recording.prefills == [(5, 8), (2, 20), (2, 12)]  # 5 rows x 8, the 30 and 40 ones x 20, then 2 and 12
+    assert sizes[:4] == [0, 3, 3, 5]
     for uid, prompt, reference in zip(uids, prompts, references):
         assert out[uid] == reference[len(prompt) : len(prompt) + 12], (model_type, len(prompt))
 
@@ -294,9 +294,11 @@ def test_sliding_window_smaller_than_the_context():
     uids = [decoder.add(Request(list(p), 40, SamplingParams())) for p in PROMPTS]
     out, windows = {}, []
     while decoder.busy:
-        for uid, step in decoder.step().steps.items():
-            out.setdefault(uid, []).extend(step.tokens)
-        if decoder.cache is not None:  # the sliding layers hold a window per row, not the context
+        step = decoder.step()
+        for uid, s in step.steps.items():
+            out.setdefault(uid, []).extend(s.tokens)
+        if decoder.cache is not None and step.size == len(decoder.rows):  # a decode step, no prefill just in
+            # the sliding layers hold a window per row, not the context
             windows += [c.keys.shape[2] for c in decoder.cache.layers if isinstance(c, BatchRotatingKVCache)]
     for uid, prompt, reference in zip(uids, PROMPTS, references):
         assert out[uid] == reference[len(prompt) : len(prompt) + 40]
@@ -358,7 +360,7 @@ class WideIsSlow:
         return getattr(self.target, name)
 
     def __call__(self, tokens, *args, **kwargs):
-        if not kwargs.get("logits_for_last_only"):  # prefill passes are not what is judged
+        if kwargs.get("logits_at") is None:  # prefill passes are not what is judged
             self.clock.now += 0.01 + 0.02 * (tokens.shape[1] - 1)
         return self.target(tokens, *args, **kwargs)
 

@@ -63,9 +63,36 @@ def test_forward_matches_mlx_lm(target):
     logits, features = target(block, cache, feature_layers=[0, 3])
     assert mx.array_equal(logits, expected)
     assert features.shape == (1, 5, 2 * target.hidden_size)
-    last, _ = target(block, target.make_cache(), logits_for_last_only=True)
-    whole, _ = target(block, target.make_cache())
-    assert last.shape[1] == 1 and mx.allclose(last[:, 0], whole[:, -1], atol=1e-5)
+    rows = mx.concatenate([block, block[:, ::-1]])
+    at, _ = target(rows, target.make_cache(), logits_at=[4, 2])  # each row's own position
+    whole, _ = target(rows, target.make_cache())
+    assert at.shape[1] == 1 and mx.allclose(at[:, 0], mx.stack([whole[0, 4], whole[1, 2]]), atol=1e-5)
+
+
+class CountingPasses:
+    """A target that notes the shape of every pass."""
+
+    def __init__(self, target):
+        self.target, self.passes = target, []
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.passes.append(tuple(tokens.shape))
+        return self.target(tokens, *args, **kwargs)
+
+
+def test_the_first_token_comes_from_the_prompts_own_pass(target):
+    """The pass that prefills a prompt's last token chooses the first token, so the time to first
+    token is the prefill's alone; decoding goes on from it, exactly."""
+    counting = CountingPasses(target)
+    prompt = PROMPTS[2]
+    steps = decode(DFlashModel(counting, random_draft(target, block_size=4)), mx.array(prompt), SamplingParams(), 12)
+    first = next(steps)
+    assert counting.passes == [(1, len(prompt))]
+    out = first.tokens + [token for step in steps for token in step.tokens]
+    assert len(first.tokens) == 1 and out == plain_greedy(target, prompt, 12)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
@@ -74,11 +101,12 @@ def test_random_drafter_is_lossless(target, block_size):
     for prompt in PROMPTS:
         out, stats = dflash_greedy(target, draft, prompt)
         assert out == plain_greedy(target, prompt)
-        # every cycle verified a full block (or what was left) and committed what it says
-        assert sum(stats.accepted_lengths) == len(out) and stats.cycles == len(stats.widths)
+        # every cycle verified a full block (or what was left) and committed what it says; the
+        # first token is the prompt's pass's
+        assert 1 + sum(stats.accepted_lengths) == len(out) and stats.cycles == len(stats.widths)
         assert all(
             w == min(block_size, MAX_TOKENS - done)
-            for w, done in zip(stats.widths, [sum(stats.accepted_lengths[:i]) for i in range(stats.cycles)])
+            for w, done in zip(stats.widths, [1 + sum(stats.accepted_lengths[:i]) for i in range(stats.cycles)])
         )
 
 

@@ -319,14 +319,13 @@ class PipelineTarget(Target):
         with self._waiting("sending the next step to the other ranks"):
             self.stats.bytes_sent += self.channel.send(program)
 
-    def __call__(self, tokens, cache, feature_layers=(), logits_for_last_only=False):
+    def __call__(self, tokens, cache, feature_layers=(), logits_at=None):
         if self.is_driver:
-            ids = tokens.reshape(-1).tolist()
-            self._queue(
-                FORWARD, cache.id, int(logits_for_last_only), len(feature_layers), *feature_layers, len(ids), *ids
-            )
+            ids = tokens.reshape(-1).tolist()  # one row: the pipeline decodes one request
+            at = 0 if logits_at is None else logits_at[0] + 1
+            self._queue(FORWARD, cache.id, at, len(feature_layers), *feature_layers, len(ids), *ids)
             self._flush()
-        return self._forward(tokens, cache, feature_layers, logits_for_last_only)
+        return self._forward(tokens, cache, feature_layers, logits_at)
 
     def finish(self) -> list[StageStats]:
         """Release the following ranks; every rank's figures (rank 0 first)."""
@@ -344,10 +343,10 @@ class PipelineTarget(Target):
             yield
         self._started = True
 
-    def _forward(self, tokens, cache, feature_layers, logits_for_last_only):
+    def _forward(self, tokens, cache, feature_layers, logits_at):
         tic = time.perf_counter()
         with self._waiting("target pass"):
-            logits, features = super().__call__(tokens, cache, feature_layers, logits_for_last_only)
+            logits, features = super().__call__(tokens, cache, feature_layers, logits_at)
             states = [c.state for c in cache.layers]
             mx.eval(self.final, states, logits if self.is_driver else [])  # the stage-to-stage traffic
             if features is not None:
@@ -408,12 +407,12 @@ class PipelineTarget(Target):
                     caches[program[i + 1]].rollback(program[i + 2])
                     i += 3
                 elif op == FORWARD:
-                    cache_id, last_only, n_layers = program[i + 1 : i + 4]
+                    cache_id, at, n_layers = program[i + 1 : i + 4]
                     layers = program[i + 4 : i + 4 + n_layers]
                     n_tokens = program[i + 4 + n_layers]
                     start = i + 5 + n_layers
                     tokens = mx.array(program[start : start + n_tokens], dtype=mx.int32)[None]
-                    self._forward(tokens, caches[cache_id], layers, bool(last_only))
+                    self._forward(tokens, caches[cache_id], layers, [at - 1] if at else None)
                     i = start + n_tokens
                 elif op == STOP:
                     return self._exchange_stats()
