@@ -185,13 +185,19 @@ class Decoder:
             self.model.planner.step_times.flush()  # idle: keep what was learnt for the next process
 
     def step(self) -> BatchStep:
-        """One decode step of the rows, then one prefill chunk of the requests joining (those
-        with room start theirs; those whose prompt is in have their first token and decode from
-        the next step).  Rows that reach their max_tokens leave by themselves."""
+        """One prefill chunk of the requests joining (those with room start theirs), then one
+        decode step of the rows, unless the chunk ended prompts: their first tokens go out at
+        once and the rows decode at the next step.  Rows that reach their max_tokens leave by
+        themselves.  A queued pass is for the rows as they were: it is taken before anyone joins."""
         with mx.stream(self.stream):
-            steps, size = {}, len(self.rows)
-            width = self._decode(steps) if self.rows else 0
-            self._join(steps)
+            steps, size, width = {}, 0, 0
+            pipelined = self._queued is not None
+            if not pipelined:
+                self._join(steps)
+            if self.rows and not steps:
+                size, width = len(self.rows), self._decode(steps)
+            if pipelined:
+                self._join(steps)
             self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
         return BatchStep(size, width, steps)
 

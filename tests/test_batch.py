@@ -232,7 +232,7 @@ def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypat
         for uid, s in step.steps.items():
             out.setdefault(uid, []).extend(s.tokens)
     assert recording.prefills == [(5, 8), (2, 20), (2, 12)]  # 5 rows x 8, the 30 and 40 ones x 20, then 2 and 12
-    assert sizes[:4] == [0, 3, 3, 5]
+    assert sizes[:4] == [0, 3, 0, 5]  # a step that ends prompts sends their first tokens at once
     for uid, prompt, reference in zip(uids, prompts, references):
         assert out[uid] == reference[len(prompt) : len(prompt) + 12], (model_type, len(prompt))
 
