@@ -122,6 +122,7 @@ def test_models_health_metrics(served):
     assert "dflash_batch_size " in text and re.search(
         r'dflash_batch_steps_total\{size="1",mode="(plain|draft)"\} [1-9]', text
     )
+    assert 'size="0"' not in text  # the prefill's steps decode nothing: not batch steps
     held = int(re.search(r"^dflash_prefix_cache_bytes (\d+)$", text, re.M).group(1))
     assert held == server.prompt_cache.nbytes > 0  # the answer's state is kept
 

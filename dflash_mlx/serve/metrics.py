@@ -37,6 +37,8 @@ class Metrics:
             self.last_tps = last.generation_tps
 
     def batch_step(self, size: int, width: int) -> None:
+        if not size:  # a prefill's step: nothing decoded
+            return
         with self._lock:
             self.batch_steps[size, "draft" if width > 1 else "plain"] += 1
             self.batch_size = size
