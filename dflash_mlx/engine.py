@@ -264,11 +264,11 @@ class Decoder:
         for i, (row, n) in enumerate(zip(rows, lengths)):
             row.context.add(None if features is None else features[i : i + 1, :n])
             row.unfilled = row.unfilled[n:]
-            done = len(row.prompt) - len(row.unfilled)
+            filled = len(row.prompt) - len(row.unfilled)
             if not row.unfilled:
                 firsts[i] = choose(masked(logits[i], row.masks([])), row.params, row.noise_at(0, 1))
-            elif self.snapshot_every and (done % self.snapshot_every == 0 or len(row.unfilled) == 1):
-                self.prompt_cache.store(row.prompt[:done], self.fill_cache.extract(i), row.context.flush())
+            elif self.snapshot_every and (filled % self.snapshot_every == 0 or len(row.unfilled) == 1):
+                self.prompt_cache.store(row.prompt[:filled], self.fill_cache.extract(i), row.context.flush())
         mx.eval(
             tree_arrays([c.state for c in self.fill_cache.layers]),
             tree_arrays([c.state for row in rows for c in row.context.flush() or []]),
@@ -279,7 +279,7 @@ class Decoder:
             row.stats.prompt_seconds += seconds
         for i, chosen in firsts.items():
             steps[rows[i].uid] = rows[i].record(None, chosen.tolist(), 0, logits[i])
-        done = [i for i, row in enumerate(rows) if not row.unfilled]
+        done = list(firsts)
         if len(done) < len(rows):
             mx.clear_cache()  # a long prompt's chunks: their activations are not kept
         if len(done) == len(rows):  # all in: their batch becomes (or joins) the decoding one, not copied
@@ -295,8 +295,8 @@ class Decoder:
         before its last token is one: a retried prompt restores it)."""
         if not self.snapshot_every:
             return span
-        done = len(row.prompt) - len(row.unfilled)
-        return min(span, self.snapshot_every - done % self.snapshot_every, max(len(row.unfilled) - 1, 1))
+        filled = len(row.prompt) - len(row.unfilled)
+        return min(span, self.snapshot_every - filled % self.snapshot_every, max(len(row.unfilled) - 1, 1))
 
     def _enter(self, rows: list[Request], joining) -> None:
         """Rows holding all of their prompt (in `joining`, their cache) and their first token
