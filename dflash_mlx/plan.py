@@ -17,8 +17,6 @@ next), judged by the acceptance of matches of its length class.
 On a CPU, where a pass is compute-bound, a large batch decodes plain; where the pass cost
 is flat in its length (a Mac GPU), drafting pays at small and medium batch sizes.
 
-A row's first step is plain (and so is that step for the rows beside it), so its first token
-is out as early as plain decoding gives it.
 Acceptance estimates are per row (its generation): each starts from a prior, the long-run
 estimate of that kind over everything decoded so far (for a copy, starting from what its match's
 agreement says: `copy_prior`), and follows the evidence of its last
@@ -151,7 +149,6 @@ class Row(Protocol):
     adaptive: bool  # its width follows the plan (no fixed block size asked for)
     block: int  # its widest verify
     left: int  # tokens it may still commit
-    produced: int  # tokens it has committed
     context_length: int  # tokens its caches hold (prompt + committed)
     params: SamplingParams
     estimates: dict  # kind -> AcceptanceEstimate, this generation's
@@ -204,11 +201,7 @@ class Planner:
         """Each row's plan for the next step.  With `lookahead` = 1 the step after that is
         planned before the coming tokens are read (to queue it when it is plain): the rows
         count one token less left, and their copy matches are the current ones."""
-        # a row's first step is plain, for every row of the batch (all are verified at the step's
-        # width): its first token comes out as soon as a step can give it (a 16-token verify on a
-        # long context takes ~3x a plain step; time to first token is what an agent waits on each turn)
-        first = any(row.adaptive and row.produced + lookahead == 0 for row in rows)
-        lefts = [1 if row.adaptive and first else row.left - lookahead for row in rows]
+        lefts = [row.left - lookahead for row in rows]
         fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
         if not any(row.adaptive for row in rows):
             return fixed

@@ -24,7 +24,6 @@ class Row:
     """A request as the planner sees it (plan.Row)."""
 
     left: int = 1000
-    produced: int = 1
     context_length: int = 100
     lookup: Match = NO_MATCH
     adaptive: bool = True
@@ -164,25 +163,6 @@ def test_prompt_lookup_is_chosen_when_it_pays():
     assert best(fluent, row, left=5).width == 5
     row.copy_widths["lookup2"] = 4  # a copy of this kind went wrong earlier in this generation
     assert best(fluent, row, left=100) == Plan(4, "lookup", tuple(range(3)), 2)
-
-
-def test_the_first_step_is_plain_for_the_time_to_first_token():
-    """A copy that would pay from the first step still waits one step: the first token comes out
-    of a plain step (a 16-token verify of a long context costs ~3x one), then copying starts."""
-    planner, row = planner_with([0.99] * 16, cpu_like(), kind="lookup3")
-    row.lookup, row.produced = Match(tuple(range(40)), 3), 0
-    assert best(planner, row) == PLAIN
-    assert planner.plan([row], lookahead=1)[0].width == 16  # the step after it copies
-    row.produced = 1
-    assert best(planner, row).width == 16
-    # a row joining a batch: the step its first token comes from is plain for every row (all
-    # are verified at the step's width: traced, 4 agent sessions waited 2-3 s for a first token)
-    joining = Row(produced=0, lookup=Match(tuple(range(40)), 3))
-    planner.start(joining)
-    joining.produced = 0
-    assert planner.plan([row, joining]) == [PLAIN, PLAIN]
-    after = planner.plan([row, joining], lookahead=1)
-    assert [plan.source for plan in after] == ["lookup", "lookup"] and after[0].width > 8  # both copy then
 
 
 def test_a_wrong_copy_is_paid_once_and_a_faithful_one_never_held_back():
