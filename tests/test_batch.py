@@ -20,7 +20,7 @@ from dflash_mlx.prompt_cache import PromptCache
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import BatchTargetCache
 from test_engine import MODEL_TYPES, PROMPTS, plain_greedy
-from tiny_models import Clock, random_dflash2, random_draft, rows_oracle_draft, tiny_target
+from tiny_models import Clock, Recording, random_dflash2, random_draft, rows_oracle_draft, tiny_target
 
 BATCH_FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"]
 
@@ -191,21 +191,6 @@ def test_a_request_filling_alone_decodes_on_the_cache_it_was_prefilled_into(monk
         assert decoder.cache in (decoding, None)  # the late row was appended to it
     assert out[first] == references[2][len(PROMPTS[2]) :][:20]
     assert out[late] == references[0][len(PROMPTS[0]) :][:20]
-
-
-class Recording:
-    """A target that notes the shape of every prefill pass (the logits of the last position only)."""
-
-    def __init__(self, target):
-        self.target, self.prefills = target, []
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-    def __call__(self, tokens, *args, **kwargs):
-        if kwargs.get("logits_at") is not None:
-            self.prefills.append(tuple(tokens.shape))
-        return self.target(tokens, *args, **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from dflash_mlx.engine import decode
 from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target import Target
-from tiny_models import oracle_draft, random_dflash2, random_draft, tiny_model, tiny_target
+from tiny_models import Recording, oracle_draft, random_dflash2, random_draft, tiny_model, tiny_target
 
 MODEL_TYPES = [
     "llama",
@@ -69,24 +69,10 @@ def test_forward_matches_mlx_lm(target):
     assert at.shape[1] == 1 and mx.allclose(at[:, 0], mx.stack([whole[0, 4], whole[1, 2]]), atol=1e-5)
 
 
-class CountingPasses:
-    """A target that notes the shape of every pass."""
-
-    def __init__(self, target):
-        self.target, self.passes = target, []
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-    def __call__(self, tokens, *args, **kwargs):
-        self.passes.append(tuple(tokens.shape))
-        return self.target(tokens, *args, **kwargs)
-
-
 def test_the_first_token_comes_from_the_prompts_own_pass(target):
     """The pass that prefills a prompt's last token chooses the first token, so the time to first
     token is the prefill's alone; decoding goes on from it, exactly."""
-    counting = CountingPasses(target)
+    counting = Recording(target)
     prompt = PROMPTS[2]
     steps = decode(DFlashModel(counting, random_draft(target, block_size=4)), mx.array(prompt), SamplingParams(), 12)
     first = next(steps)

@@ -244,3 +244,20 @@ class Timed:
     def __call__(self, tokens, *args, **kwargs):
         self.clock.now += self.clock.cost.verify(tokens.shape[0] * tokens.shape[1])
         return self.target(tokens, *args, **kwargs)
+
+
+class Recording:
+    """A target that notes the shape of every pass, and of the prefill passes apart (those asking
+    for the logits of one position per row)."""
+
+    def __init__(self, target):
+        self.target, self.passes, self.prefills = target, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.passes.append(tuple(tokens.shape))
+        if kwargs.get("logits_at") is not None:
+            self.prefills.append(tuple(tokens.shape))
+        return self.target(tokens, *args, **kwargs)
