@@ -93,26 +93,118 @@ class GatedDeltaState:
         self.tape, self.recording = None, False
 
 
-class BatchTrimmableKV:
-    """Full-attention KV of a batch (mlx-lm's BatchKVCache: rows share one write index, shorter
-    rows are left-padded).  The batch is trimmed to its longest kept prefix and every shorter
-    row is rolled right by what it keeps less, so all rows end at the shared index again; the
-    rejected tokens end up in the row's left padding, which the mask hides (mlx-lm's own
-    right-to-left padding step)."""
+class RaggedBatchKVCache(BatchKVCache):
+    """mlx-lm's BatchKVCache whose rows end where each row ends: a row writes after its own last
+    token and attends up to it.  In mlx-lm's batch every row ends at one shared index, so a row
+    that keeps fewer tokens of a verify than another must be rolled right over its whole length,
+    a copy of every row's keys and values per step; here rolling a row back is moving its end.
+    Between a row's end and the longest row's lie tokens it dropped, hidden by its mask as
+    its left padding is.  `_idx` is the longest row's end."""
 
-    def __init__(self, cache: BatchKVCache):
+    def __init__(self, left_padding: list[int]):
+        super().__init__(left_padding)
+        self.ends = [0] * len(left_padding)  # where each row's next token goes
+        self._prefill_ends = None
+
+    def end_rows_at(self, ends: list[int]):
+        self.ends = list(ends)
+        self.offset = mx.array(self.ends) - self.left_padding
+        self._idx = max(self.ends)
+
+    def update_and_fetch(self, keys, values):
+        n = keys.shape[2]
+        self._reserve(keys, values, self._idx + n)
+        if len(set(self.ends)) == 1:
+            self.keys[..., self._idx : self._idx + n, :] = keys
+            self.values[..., self._idx : self._idx + n, :] = values
+        else:
+            for row, end in enumerate(self.ends):
+                self.keys[row : row + 1, :, end : end + n] = keys[row : row + 1]
+                self.values[row : row + 1, :, end : end + n] = values[row : row + 1]
+        self.end_rows_at([end + n for end in self.ends])
+        return self.keys_and_values()
+
+    def _reserve(self, keys, values, size: int):
+        """Room for `size` tokens a row, grown by mlx-lm's step."""
+        held = 0 if self.keys is None else self.keys.shape[2]
+        if size <= held:
+            return
+        more = (size - held + self.step - 1) // self.step * self.step
+        batch, heads, _, _ = keys.shape
+        new_keys = mx.zeros((batch, heads, more, keys.shape[3]), keys.dtype)
+        new_values = mx.zeros((batch, heads, more, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_keys, new_values
+        else:
+            self.keys = mx.concatenate([self.keys, new_keys], axis=2)
+            self.values = mx.concatenate([self.values, new_values], axis=2)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """Row r's query i (at ends[r] + i) sees its own tokens up to itself."""
+        queries = mx.array(self.ends)[:, None, None, None] + mx.arange(N)[:, None]
+        keys = mx.arange(self._idx + N)
+        mask = (keys <= queries) & (keys >= self.left_padding[:, None, None, None])
+        if window_size is not None:
+            mask = mask & (keys > queries - window_size)
+        return mask
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        """A right-padded pass (a batched prefill chunk) ends each row after its `lengths`."""
+        super().prepare(left_padding=left_padding)
+        if lengths is not None:
+            self._prefill_ends = [end + n for end, n in zip(self.ends, lengths)]
+
+    def finalize(self):
+        if self._prefill_ends is not None:
+            self.end_rows_at(self._prefill_ends)
+            self._prefill_ends = None
+
+    def trim(self, n: int) -> int:
+        n = min(min(self.ends), n)
+        self.end_rows_at([end - n for end in self.ends])
+        return n
+
+    def filter(self, batch_indices):
+        kept = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        ends, longest = [self.ends[i] for i in kept], self._idx
+        super().filter(batch_indices)  # drops the padding every kept row has on its left
+        self.end_rows_at([end - (longest - self._idx) for end in ends])
+
+    def extend(self, other: "RaggedBatchKVCache"):
+        longest = max(self._idx, other._idx)  # mlx-lm right-justifies both at the longest
+        ends = [end + longest - self._idx for end in self.ends] + [end + longest - other._idx for end in other.ends]
+        super().extend(other)
+        self.end_rows_at(ends)
+
+    def extract(self, idx: int) -> KVCache:
+        cache = KVCache()
+        padding = self.left_padding[idx].item()
+        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, padding : self.ends[idx]])
+        cache.values = mx.contiguous(self.values[idx : idx + 1, :, padding : self.ends[idx]])
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+    @classmethod
+    def merge(cls, caches: list[KVCache]) -> "RaggedBatchKVCache":
+        batch = super().merge(caches)
+        if not isinstance(batch, cls):  # every row empty: mlx-lm returns its own class
+            return cls([0] * len(caches))
+        batch.ends = [batch._idx] * len(caches)
+        return batch
+
+
+class BatchTrimmableKV:
+    """Full-attention KV of a batch (RaggedBatchKVCache): each row ends after its own kept prefix."""
+
+    def __init__(self, cache: RaggedBatchKVCache):
         self.cache = cache
-        self._start = 0
+        self._starts = []
 
     def checkpoint(self):
-        self._start = self.cache._idx
+        self._starts = list(self.cache.ends)
 
     def rollback(self, keep: list[int]):
-        longest = max(keep)
-        self.cache.trim(self.cache._idx - (self._start + longest))
-        if min(keep) < longest:
-            self.cache.prepare(right_padding=[longest - k for k in keep])
-            self.cache.finalize()
+        self.cache.end_rows_at([start + k for start, k in zip(self._starts, keep)])
 
 
 class BatchRotatingKV:
@@ -175,9 +267,17 @@ def checkpointed(cache: Any):
     )
 
 
+def merged(caches: list) -> Any:
+    """One layer's batch cache holding the rows' `caches` (full-attention rows in a
+    RaggedBatchKVCache, every other kind in mlx-lm's own batch cache)."""
+    if type(caches[0]) is KVCache:
+        return RaggedBatchKVCache.merge(caches)
+    return type(caches[0]).merge(caches)
+
+
 def checkpointed_batch(cache: Any):
     """The batch counterpart of `checkpointed`, for a layer cache merged from rows' caches."""
-    if type(cache) is BatchKVCache:
+    if type(cache) is RaggedBatchKVCache:
         return BatchTrimmableKV(cache)
     if type(cache) is BatchRotatingKVCache:
         return BatchRotatingKV(cache)

@@ -35,6 +35,7 @@ from .rollback import (
     UnsupportedCache,
     checkpointed,
     checkpointed_batch,
+    merged,
 )
 
 
@@ -77,13 +78,14 @@ class TargetCache:
 
 
 class BatchTargetCache:
-    """Several requests' target caches as one batch (mlx-lm's batch caches: rows share one
-    write index; each row keeps its own length and rolls back its own accepted prefix)."""
+    """Several requests' target caches as one batch (rollback.merged: full-attention rows each
+    end where their own tokens end, other kinds share mlx-lm's one write index); each row keeps
+    its own length and rolls back its own accepted prefix."""
 
     def __init__(self, rows: list[TargetCache]):
         if any(isinstance(c, RotatingKVCache) and c.keep for c in rows[0].layers):
             raise UnsupportedCache("a sliding window that keeps its first tokens cannot be batched")
-        self.layers = [type(row_caches[0]).merge(list(row_caches)) for row_caches in zip(*(r.layers for r in rows))]
+        self.layers = [merged(list(row_caches)) for row_caches in zip(*(r.layers for r in rows))]
         self.handlers = [checkpointed_batch(c) for c in self.layers]
 
     @property
@@ -114,8 +116,9 @@ class BatchTargetCache:
         return TargetCache(layers=[cache.extract(row) for cache in self.layers])
 
     def pad_right(self, lengths: list[int]):
-        """The next pass's rows are right-padded to its longest; finalize() after it moves each
-        row's padding to its left, where the batch keeps padding (mlx-lm's batched prefill)."""
+        """The next pass's rows are right-padded to its longest; finalize() after it ends each
+        row after its own tokens (a cache sharing one write index moves each row's padding to
+        its left, as mlx-lm's batched prefill does)."""
         longest = max(lengths)
         for cache in self.layers:
             cache.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models import cache
 
 PRIVATE_FIELDS = {
-    cache.BatchKVCache: ["_idx"],  # rollback.BatchTrimmableKV, target.BatchTargetCache.width
+    cache.BatchKVCache: ["_idx"],  # rollback.RaggedBatchKVCache (extend, filter), target.BatchTargetCache.width
     cache.BatchRotatingKVCache: ["_idx", "_offset"],  # rollback.BatchRotatingKV
 }
 BATCH_CALLS = ["merge", "extend", "extract", "filter", "prepare", "finalize", "trim"]

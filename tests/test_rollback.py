@@ -1,12 +1,14 @@
 """Rolling back a sliding-window cache to every prefix of a verified block leaves it exactly
-as if only the kept tokens had been fed, whatever comes next (one token or several)."""
+as if only the kept tokens had been fed, whatever comes next (one token or several); a batch's
+rows roll back to their own prefixes without moving their keys."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash_mlx.costs import measure_costs
-from dflash_mlx.rollback import RotatingKV
+from dflash_mlx.rollback import BatchTrimmableKV, RaggedBatchKVCache, RotatingKV
 from tiny_models import random_draft, tiny_target
 
 H, D = 2, 4
@@ -67,3 +69,38 @@ def test_sliding_targets_measure_costs_beyond_their_window(family):
     target = tiny_target(family, seed=1)
     cost = measure_costs(target, random_draft(target, layer_ids=(0, 1), block_size=4), context=32, repeats=1)
     assert cost.widths[0] == 1 and all(s > 0 for s in cost.seconds)
+
+
+def test_a_batch_verify_rolls_rows_back_without_moving_their_keys():
+    """Rows keeping different prefixes of a verify end where each ends: the keys stay where they
+    were written (mlx-lm's batch would roll each shorter row over its whole length), and each row
+    then sees exactly its own tokens, in order."""
+    rows = []
+    for length in (3, 6):
+        row = KVCache()
+        row.update_and_fetch(*tokens(0, length))
+        rows.append(row)
+    batch = RaggedBatchKVCache.merge(rows)
+    handler = BatchTrimmableKV(batch)
+    handler.checkpoint()
+    batch.update_and_fetch(*(mx.concatenate([x, x]) for x in tokens(100, 4)))
+    written = batch.keys
+    handler.rollback([1, 3])
+    assert batch.keys is written and batch.ends == [7, 9] and batch.offset.tolist() == [4, 9]
+    mask = batch.make_mask(2)  # the next pass: two tokens a row
+    keys, _ = batch.update_and_fetch(*(mx.concatenate([x, x]) for x in tokens(200, 2)))
+    for row, want in enumerate([[0, 1, 2, 100, 200, 201], [0, 1, 2, 3, 4, 5, 100, 101, 102, 200, 201]]):
+        seen = [keys[row, 0, j, 0].item() for j in range(keys.shape[2]) if mask[row, 0, 1, j].item()]
+        assert seen == want, row
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_an_aligned_batch_masks_as_mlx_lm_does(window):
+    rows = []
+    for length in (2, 5):
+        row = KVCache()
+        row.update_and_fetch(*tokens(0, length))
+        rows.append(row)
+    batch = RaggedBatchKVCache.merge(rows)
+    want = create_causal_mask(3, offset=5, window_size=window, left_padding=batch.left_padding)
+    assert mx.array_equal(batch.make_mask(3, window_size=window), mx.broadcast_to(want, (2, 1, 3, 8)))
