@@ -117,10 +117,11 @@ class RaggedBatchKVCache(BatchKVCache):
         if len(set(self.ends)) == 1:
             self.keys[..., self._idx : self._idx + n, :] = keys
             self.values[..., self._idx : self._idx + n, :] = values
-        else:
-            for row, end in enumerate(self.ends):
-                self.keys[row : row + 1, :, end : end + n] = keys[row : row + 1]
-                self.values[row : row + 1, :, end : end + n] = values[row : row + 1]
+        else:  # one scatter for all rows (a write per row is a graph node per row and layer)
+            rows = mx.arange(len(self.ends))[:, None]
+            positions = mx.array(self.ends)[:, None] + mx.arange(n)
+            self.keys[rows, :, positions] = keys.transpose(0, 2, 1, 3)
+            self.values[rows, :, positions] = values.transpose(0, 2, 1, 3)
         self.end_rows_at([end + n for end in self.ends])
         return self.keys_and_values()
 
