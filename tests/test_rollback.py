@@ -71,16 +71,19 @@ def test_sliding_targets_measure_costs_beyond_their_window(family):
     assert cost.widths[0] == 1 and all(s > 0 for s in cost.seconds)
 
 
+def ragged_batch(*lengths: int) -> RaggedBatchKVCache:
+    """Rows of `lengths` positions (position p holding p), merged into one batch."""
+    rows = [KVCache() for _ in lengths]
+    for row, length in zip(rows, lengths):
+        row.update_and_fetch(*tokens(0, length))
+    return RaggedBatchKVCache.merge(rows)
+
+
 def test_a_batch_verify_rolls_rows_back_without_moving_their_keys():
     """Rows keeping different prefixes of a verify end where each ends: the keys stay where they
     were written (mlx-lm's batch would roll each shorter row over its whole length), and each row
     then sees exactly its own tokens, in order."""
-    rows = []
-    for length in (3, 6):
-        row = KVCache()
-        row.update_and_fetch(*tokens(0, length))
-        rows.append(row)
-    batch = RaggedBatchKVCache.merge(rows)
+    batch = ragged_batch(3, 6)
     handler = BatchTrimmableKV(batch)
     handler.checkpoint()
     batch.update_and_fetch(*(mx.concatenate([x, x]) for x in tokens(100, 4)))
@@ -96,11 +99,6 @@ def test_a_batch_verify_rolls_rows_back_without_moving_their_keys():
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_an_aligned_batch_masks_as_mlx_lm_does(window):
-    rows = []
-    for length in (2, 5):
-        row = KVCache()
-        row.update_and_fetch(*tokens(0, length))
-        rows.append(row)
-    batch = RaggedBatchKVCache.merge(rows)
+    batch = ragged_batch(2, 5)
     want = create_causal_mask(3, offset=5, window_size=window, left_padding=batch.left_padding)
     assert mx.array_equal(batch.make_mask(3, window_size=window), mx.broadcast_to(want, (2, 1, 3, 8)))
