@@ -13,6 +13,9 @@ benchmark prompts).
 
     python bench/agent_session.py --turns 5 --together 4 --reps 3 --out bench/results/agent-session
 
+`--think S`: each session waits S seconds after every answer before its next turn (an agent
+running its tools; the server is idle meanwhile), not counted in the session time.
+
 `--restart` replays one session against ours with a `--prompt-cache-dir`, stops the server, starts it
 again on the folder and asks the session's first turn again (its TTFT against the warm turns').
 `--soak N` runs N sessions one after another against ours alone instead, and reports the server's
@@ -118,12 +121,13 @@ def sessions(count: int, turns: int) -> list[dict]:
     return out
 
 
-def replay_ours(port: int, session: dict, max_tokens: int) -> list[dict]:
+def replay_ours(port: int, session: dict, max_tokens: int, think: float = 0.0) -> list[dict]:
     import anthropic
 
     client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0, timeout=3600)
     messages, turns = [], []
     for ask in session["turns"]:
+        time.sleep(think if turns else 0.0)  # the agent acting on the last answer
         messages.append({"role": "user", "content": ask})
         tic, first, text = time.perf_counter(), None, ""
         with client.messages.stream(
@@ -139,12 +143,13 @@ def replay_ours(port: int, session: dict, max_tokens: int) -> list[dict]:
     return turns
 
 
-def replay_theirs(port: int, session: dict, max_tokens: int) -> list[dict]:
+def replay_theirs(port: int, session: dict, max_tokens: int, think: float = 0.0) -> list[dict]:
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
     messages, turns = [{"role": "system", "content": session["system"]}], []
     for ask in session["turns"]:
+        time.sleep(think if turns else 0.0)  # the agent acting on the last answer
         messages.append({"role": "user", "content": ask})
         tic, first, text, tokens = time.perf_counter(), None, "", 0
         stream = client.chat.completions.create(
@@ -265,12 +270,14 @@ def restart(turns: int, max_tokens: int, out) -> None:
     report(lines, out, "restart.md")
 
 
-def run_level(replay, port: int, chosen: list[dict], max_tokens: int) -> dict:
+def run_level(replay, port: int, chosen: list[dict], max_tokens: int, think: float = 0.0) -> dict:
+    """The sessions at once; their wall time without the think time between turns (every
+    session has as many turns and thinks as long, at the same time)."""
     tic = time.perf_counter()
     with ThreadPoolExecutor(len(chosen)) as pool:
-        results = list(pool.map(lambda s: replay(port, s, max_tokens), chosen))
-    wall = time.perf_counter() - tic
+        results = list(pool.map(lambda s: replay(port, s, max_tokens, think), chosen))
     turns = max(len(r) for r in results)
+    wall = time.perf_counter() - tic - think * (turns - 1)
     ttft = [[r[t]["ttft"] for r in results if t < len(r)] for t in range(turns)]
     decode = sum(t["tokens"] for r in results for t in r) / sum(t["seconds"] - t["ttft"] for r in results for t in r)
     return dict(session_seconds=wall, ttft=ttft, decode_tok_s=decode, texts=[[t["text"] for t in r] for r in results])
@@ -279,7 +286,7 @@ def run_level(replay, port: int, chosen: list[dict], max_tokens: int) -> dict:
 SERVERS = {"mlx_lm.server": replay_theirs, "dflash-mlx": replay_ours}
 
 
-def run_rep(together: int, turns: int, max_tokens: int, ours_first: bool) -> tuple[dict, dict]:
+def run_rep(together: int, turns: int, max_tokens: int, ours_first: bool, think: float = 0.0) -> tuple[dict, dict]:
     """The sessions on fresh servers (no state carried over), one server after the other:
     each server's run and peak RSS."""
     from dflash_mlx.convert.smollm2 import smollm2_path
@@ -290,7 +297,7 @@ def run_rep(together: int, turns: int, max_tokens: int, ours_first: bool) -> tup
         chosen = sessions(together, turns)
         runs = {}
         for name in sorted(SERVERS, reverse=not ours_first):  # "dflash-mlx" sorts first
-            runs[name] = run_level(SERVERS[name], ports[name], chosen, max_tokens)
+            runs[name] = run_level(SERVERS[name], ports[name], chosen, max_tokens, think)
             print(
                 f"{together} session(s), {name}: {runs[name]['session_seconds']:.1f} s, TTFT per turn "
                 f"{' '.join(f'{median(t):.2f}' for t in runs[name]['ttft'])} s, decode "
@@ -338,6 +345,12 @@ def main():
     parser.add_argument("--together", type=int, default=4, help="sessions at once in the second level")
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--reps", type=int, default=1, help="runs of each level on fresh servers, in turn first")
+    parser.add_argument(
+        "--think",
+        type=float,
+        default=0.0,
+        help="seconds each session waits after an answer (an agent running its tools); not in the session time",
+    )
     parser.add_argument("--out", default=None, help="folder for results.json, results.md and the TTFT plot")
     parser.add_argument("--soak", type=int, default=0, help="instead: this many sessions in a row against ours")
     parser.add_argument(
@@ -357,7 +370,10 @@ def main():
 
     levels, peak, raw = {}, {}, {}
     for together in sorted({1, args.together}):
-        reps = [run_rep(together, args.turns, args.max_tokens, ours_first=rep % 2 == 1) for rep in range(args.reps)]
+        reps = [
+            run_rep(together, args.turns, args.max_tokens, ours_first=rep % 2 == 1, think=args.think)
+            for rep in range(args.reps)
+        ]
         raw[together] = [runs for runs, _ in reps]
         levels[together] = summary(raw[together])
         peak[together] = {name: max(rss[name] for _, rss in reps) for name in SERVERS}
@@ -365,7 +381,8 @@ def main():
         f"Machine: {machine()}",
         f"Command: python {' '.join(sys.argv)}",
         "",
-        f"Medians over {args.reps} rep(s), each on fresh servers, the two servers in turn first.",
+        f"Medians over {args.reps} rep(s), each on fresh servers, the two servers in turn first"
+        + (f"; {args.think:g} s of think time after each answer, not counted in session time." if args.think else "."),
         "",
         "| sessions at once | server | session s | speedup (reps) | TTFT per turn (s, median over sessions and reps) | "
         "decode tok/s | answers equal |",

@@ -235,6 +235,11 @@ def serve(
     cors_origin: list[str] = typer.Option(
         [], "--cors-origin", help="Let web pages from this origin call the server (repeatable)."
     ),
+    no_next_turn_prefill: bool = typer.Option(
+        False,
+        "--no-next-turn-prefill",
+        help="Do not prefill, while idle, each chat's conversation as its next request will send it back.",
+    ),
     no_suffix_drafts: bool = typer.Option(
         False,
         "--no-suffix-drafts",
@@ -310,6 +315,7 @@ def serve(
         prompt_cache_dir=prompt_cache_dir,
         prompt_cache_disk_bytes=prompt_cache_disk_bytes,
         access=dict(bind_host=host, allow_hosts=tuple(allow_host), cors_origins=tuple(cors_origin), api_key=api_key),
+        next_turn_prefill=not no_next_turn_prefill,
     )
     if api_key is None and not is_loopback(host_name(host)):
         typer.secho(

@@ -464,3 +464,51 @@ def test_concurrent_requests_are_batched_and_each_is_exact(served):
     assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [
         generate(model, tokenizer, "one two", max_tokens=10, temp=0.9, seed=4 + k) for k in range(3)
     ]
+
+
+def test_a_request_stops_an_idle_prefill_or_waits_for_its_own(served, monkeypatch):
+    """The idle prefill yields to a request of another conversation (removed before it is in), and
+    holds back a request continuing its own conversation until it is in."""
+    from dflash_mlx.serve import worker
+    from dflash_mlx.serve.worker import Job
+    from scripted_engine import slow_batch
+
+    _, model, tokenizer, _, _ = served
+    log = []
+
+    class Recording(slow_batch(pieces=4, seconds_per_step=0.05)):
+        def insert(self, prompt, max_tokens, **options):
+            uid = super().insert(prompt, max_tokens, **options)
+            log.append(("insert", tuple(prompt)))
+            return uid
+
+        def next(self):
+            out = super().next()
+            log.extend(("end", uid) for uid, response in out if response.finish_reason)
+            return out
+
+    monkeypatch.setattr(worker, "BatchGenerator", Recording)
+    engine = worker.Worker(model, tokenizer, 4, max_batch=2, prompt_cache=object())
+    try:
+        engine.prefill_when_idle([1, 2, 3])
+        while not log:
+            time.sleep(0.005)
+        other = engine.submit(Job([9, 9], 2, {}))
+        while other.events.get(timeout=10) is not worker.DONE:
+            pass
+        assert log == [("insert", (1, 2, 3)), ("insert", (9, 9)), ("end", 1)]  # the prefill never ended
+
+        log.clear()
+        engine.prefill_when_idle([4, 5, 6])
+        while not log:
+            time.sleep(0.005)
+        own = engine.submit(Job([4, 5, 6, 7], 2, {}))
+        while own.events.get(timeout=10) is not worker.DONE:
+            pass
+        assert log == [("insert", (4, 5, 6)), ("end", 2), ("insert", (4, 5, 6, 7)), ("end", 3)]  # after it
+        assert engine.idle_prefill is None and not engine.held
+
+        engine.prefill_when_idle([4, 5, 6, 7, 8][:3])  # already asked for by a request: nothing to do
+        assert not engine.idle_prompts
+    finally:
+        engine.stop()

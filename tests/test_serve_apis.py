@@ -2,6 +2,7 @@
 `openai` (Responses, the chat tool loop, n, logprobs) and `langchain-openai`, on loopback."""
 
 import json
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ langchain_openai = pytest.importorskip("langchain_openai", reason="the dev extra
 
 from dflash_mlx import generate, load, stream_generate  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
+from dflash_mlx.serve.protocol import next_turn_tokens  # noqa: E402
 from scripted_engine import scripted_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live servers and real clients
@@ -121,6 +123,48 @@ def test_anthropic_stop_sequences_sampling_and_extra_body(live):
         for w in (1, 4)
     ]
     assert seeded[0] == seeded[1] != full
+
+
+def wait_idle(server, seconds: float = 30.0) -> None:
+    """Until the worker has nothing left to prefill (the answer's follow-up runs after it is sent)."""
+    deadline = time.monotonic() + seconds
+    while server.worker.idle_prompts or server.worker.idle_prefill is not None or server.worker.active:
+        assert time.monotonic() < deadline, "the idle prefill did not finish"
+        time.sleep(0.02)
+    time.sleep(0.2)  # a background task not yet queued would show here
+    assert not server.worker.idle_prompts and server.worker.idle_prefill is None
+
+
+@pytest.mark.parametrize("api", ["anthropic", "openai"])
+def test_the_next_turn_is_prefilled_while_the_client_acts(live, api, monkeypatch):
+    """After an answer, the conversation as the client sends it back (the answer re-tokenised,
+    the turn closed) is prefilled while the server is idle: the next turn restores all of it and
+    prefills only its own message, and answers as offline generation does."""
+    monkeypatch.setattr(live.server, "next_turn_prefill", True)
+    system = f"You are a {api} agent."
+    messages = [{"role": "user", "content": "read the file"}]
+    if api == "anthropic":
+        with live.anthropic.messages.stream(model="tiny", max_tokens=20, system=system, messages=messages) as stream:
+            answer = stream.get_final_message().content[0].text
+    else:
+        reply = live.openai.chat.completions.create(
+            model="tiny", max_tokens=20, messages=[{"role": "system", "content": system}, *messages]
+        )
+        answer = reply.choices[0].message.content
+    wait_idle(live.server)
+    rendered = [{"role": "system", "content": system}, *messages, {"role": "assistant", "content": answer}]
+    follow = next_turn_tokens(live.tokenizer, rendered[:-1], [], answer, [])
+    nxt = rendered + [{"role": "user", "content": "now write it back"}]
+    assert chat_ids(live.tokenizer, nxt)[: len(follow)] == follow  # the template renders it so
+    if api == "anthropic":
+        reply = live.anthropic.messages.create(model="tiny", max_tokens=8, system=system, messages=nxt[1:])
+        text, cached = reply.content[0].text, reply.usage.cache_read_input_tokens
+    else:
+        reply = live.openai.chat.completions.create(model="tiny", max_tokens=8, messages=nxt)
+        text, cached = reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens
+    assert cached == len(follow)
+    wait_idle(live.server)  # its own next turn's prefill: the model is not shared while it runs
+    assert text == generate(live.model, live.tokenizer, chat_ids(live.tokenizer, nxt), max_tokens=8)
 
 
 def test_anthropic_count_tokens(live):

@@ -15,6 +15,7 @@ import numbers
 import time
 import uuid
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -162,12 +163,12 @@ class AnthropicAPI:
         if body.get("thinking") and body["thinking"].get("type") == "enabled":
             raise RequestError("thinking: the served model has no extended thinking mode; remove it")
         messages, tools = conversation(body)
-        return prompt_tokens(self.server.tokenizer, messages, tools), tools
+        return prompt_tokens(self.server.tokenizer, messages, tools), messages, tools
 
     async def count_tokens(self, request: Request):
         try:
             body = await self.server.body(request)
-            prompt, _ = self._prompt(body)
+            prompt, _, _ = self._prompt(body)
         except RequestError as e:
             return self.error(e)
         return JSONResponse({"input_tokens": len(prompt)})
@@ -175,7 +176,7 @@ class AnthropicAPI:
     async def messages(self, request: Request):
         try:
             body = await self.server.body(request)
-            prompt, tools = self._prompt(body)
+            prompt, messages, tools = self._prompt(body)
             max_tokens = self.server.max_tokens(body, ("max_tokens",), None)
             options = sampling(body, {"stop": "stop_sequences"})
             number(body, "top_k", 0, numbers.Integral, low=0)
@@ -186,24 +187,27 @@ class AnthropicAPI:
             job, first = await self.server.start(prompt, max_tokens, options)
         except RequestError as e:
             return self.error(e)
-        message = _Message(self.server, tools, ignored)
+        message = _Message(self.server, messages, tools, ignored)
         headers = {"x-dflash-ignored-fields": ", ".join(ignored)} if ignored else {}
+        follow = BackgroundTask(message.prefill_next_turn)
         if stream:
-            return StreamingResponse(message.stream(job, first), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                message.stream(job, first), media_type="text/event-stream", headers=headers, background=follow
+            )
         try:
             async for _ in message.run(job, first):
                 pass
         except RequestError as e:
             return self.error(e)
-        return JSONResponse(message.snapshot(), headers=headers)
+        return JSONResponse(message.snapshot(), headers=headers, background=follow)
 
 
 class _Message:
     """One assistant message built from the engine's events: the final object, or the event
     stream (message_start, content_block_start / delta / stop, ping, message_delta, message_stop)."""
 
-    def __init__(self, server, tools: list, ignored: list[str]):
-        self.server, self.tools, self.ignored = server, tools, ignored
+    def __init__(self, server, messages: list[dict], tools: list, ignored: list[str]):
+        self.server, self.messages, self.tools, self.ignored = server, messages, tools, ignored
         self.id = "msg_" + uuid.uuid4().hex
         self.text, self.calls, self.last, self.prompt_tokens = "", [], None, 0
 
@@ -264,6 +268,12 @@ class _Message:
         ):
             self.text += shown
             yield shown
+
+    def prefill_next_turn(self) -> None:
+        """Once the answer is out (a background task of its response): its next turn prefilled
+        while the client acts on it (Server.prefill_next_turn)."""
+        if self.last is not None and self.last.finish_reason:
+            self.server.prefill_next_turn(self.messages, self.tools, self.text, self.calls)
 
     @staticmethod
     def _event(kind: str, **fields) -> str:

@@ -30,7 +30,7 @@ from .anthropic_api import AnthropicAPI
 from .guard import Guard
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
-from .protocol import RequestError, number
+from .protocol import RequestError, next_turn_tokens, number
 from .worker import DONE, Draining, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
@@ -51,9 +51,12 @@ class Server:
         prompt_cache_dir: Optional[str] = None,
         prompt_cache_disk_bytes: int = 8 << 30,
         access: Optional[dict] = None,
+        next_turn_prefill: bool = False,
     ):
-        """`access`: Guard's options (bind_host, allow_hosts, cors_origins, api_key)."""
+        """`access`: Guard's options (bind_host, allow_hosts, cors_origins, api_key);
+        `next_turn_prefill`: see prefill_next_turn."""
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.next_turn_prefill = next_turn_prefill
         self.prompt_cache = None
         if prompt_cache_bytes is None:  # sized for the machine and the model
             prompt_cache_bytes = default_bytes(model.weight_bytes, machine_memory())
@@ -232,6 +235,20 @@ class Server:
         finally:
             job.cancelled.set()
 
+    def prefill_next_turn(self, messages: list[dict], tools: list, text: str, calls: list) -> None:
+        """A chat answered: while the client acts on it (an agent runs its tools), the engine
+        prefills the conversation as the next request will render it.  Its state after the answer
+        is kept already, but a client sends the answer back as text, which the tokenizer may
+        split otherwise (the model's " chat" + "ting" reads back as " chatting"): from there on,
+        and for the turn's closing tokens, the next request would prefill again.  Off by default
+        in make_app: the model computes after the answer, which code sharing it in-process (a
+        test's offline generate) would race; `dflash-mlx serve` turns it on."""
+        if not self.next_turn_prefill:
+            return
+        tokens = next_turn_tokens(self.tokenizer, messages, tools, text, calls)
+        if tokens:
+            self.worker.prefill_when_idle(tokens)
+
     def refused(self, error: RequestError) -> None:
         self.metrics.rejected(error.status)
 
@@ -247,11 +264,14 @@ def make_app(
     prompt_cache_dir: Optional[str] = None,
     prompt_cache_disk_bytes: int = 8 << 30,
     access: Optional[dict] = None,
+    next_turn_prefill: bool = False,
 ) -> Server:
     """The server; with max_batch > 1, requests are decoded in batches when the target allows
     (else `Server.batch_refusal` says why not; the caller tells the user).  With
     `prompt_cache_dir`, reusable prefixes are kept in that folder across restarts; `access` says
-    who may call it (guard.Guard: bind_host, allow_hosts, cors_origins, api_key)."""
+    who may call it (guard.Guard: bind_host, allow_hosts, cors_origins, api_key); with
+    `next_turn_prefill`, each chat's next turn is prefilled while the server is idle
+    (Server.prefill_next_turn)."""
     from ..api import context_limit
 
     return Server(
@@ -266,6 +286,7 @@ def make_app(
         prompt_cache_dir,
         prompt_cache_disk_bytes,
         access,
+        next_turn_prefill,
     )
 
 

@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Optional
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -187,7 +188,7 @@ class OpenAIAPI:
             logprobs = number(body, "top_logprobs", 0, numbers.Integral, 0, 20)
         elif body.get("top_logprobs") is not None:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        return prompt_tokens(self.server.tokenizer, normalised, tools), tools, logprobs, grammar
+        return prompt_tokens(self.server.tokenizer, normalised, tools), normalised, tools, logprobs, grammar
 
     def _completion_request(self, body: dict):
         refuse_nonzero(body, *REFUSED, "echo", "suffix")
@@ -228,9 +229,9 @@ class OpenAIAPI:
         try:
             body = await self.server.body(request)
             if chat:
-                prompt, tools, logprobs, grammar = self._chat_request(body)
+                prompt, messages, tools, logprobs, grammar = self._chat_request(body)
             else:
-                (prompt, logprobs), tools, grammar = self._completion_request(body), None, None
+                (prompt, logprobs), messages, tools, grammar = self._completion_request(body), None, None, None
             options = {**sampling(body, {"stop": "stop"}), "logprobs": logprobs, "grammar": grammar}
             max_tokens, stream, include_usage = self._common(body, 512 if chat else 16)
             n = number(body, "n", 1, numbers.Integral, 1, MAX_CHOICES)
@@ -239,14 +240,17 @@ class OpenAIAPI:
         except RequestError as e:
             return self.error(e)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        choices = _Choices(self, prompt, max_tokens, options, n, job, first)
+        choices = _Choices(self, prompt, max_tokens, options, n, job, first, messages, tools)
         if stream:
             return StreamingResponse(
                 self._sse(choices, ident, chat, include_usage, tools, ignored),
                 media_type="text/event-stream",
                 headers=self._headers(ignored),
+                background=BackgroundTask(choices.prefill_next_turn),
             )
-        return await self._whole(choices, ident, chat, tools, ignored)
+        response = await self._whole(choices, ident, chat, tools, ignored)
+        response.background = BackgroundTask(choices.prefill_next_turn)
+        return response
 
     def _choice(
         self,
@@ -302,6 +306,7 @@ class OpenAIAPI:
                     events, self.server.tokenizer, tools if chat else None
                 ):
                     text += shown
+                    choices.answered(shown, tool_calls, last)
                     if logprobs is not None:
                         logprobs += last.logprobs
                 out.append(
@@ -359,6 +364,7 @@ class OpenAIAPI:
                 async for last, text, tool_calls in with_tool_calls(
                     events, self.server.tokenizer, tools if chat else None
                 ):
+                    choices.answered(text, tool_calls, last)
                     if last.finish_reason:
                         yield chunk(
                             [self._choice(chat, index, text, last.finish_reason, True, tool_calls, last.logprobs)]
@@ -480,9 +486,21 @@ class _Choices:
     """The n choices of a request: all queued at once (a batching engine decodes them together),
     async-iterated as (index, events) in order."""
 
-    def __init__(self, api: OpenAIAPI, prompt, max_tokens, options, n, job, first):
+    def __init__(self, api: OpenAIAPI, prompt, max_tokens, options, n, job, first, messages=None, tools=None):
         self.api, self.prompt, self.max_tokens, self.options, self.n = api, prompt, max_tokens, options, n
         self.started = [(job, first)]
+        self.messages, self.tools = messages, tools  # a chat's (None: a text completion)
+        self.text, self.calls, self.finished = "", [], False  # a one-choice chat's answer
+
+    def answered(self, text: str, tool_calls, last) -> None:
+        """A piece of the answer (one choice: the only one followed up)."""
+        self.text += text
+        self.calls, self.finished = tool_calls or [], bool(last.finish_reason)
+
+    def prefill_next_turn(self) -> None:
+        """Once a one-choice chat's answer is out: its next turn prefilled (Server.prefill_next_turn)."""
+        if self.messages is not None and self.n == 1 and self.finished:
+            self.api.server.prefill_next_turn(self.messages, self.tools, self.text, self.calls)
 
     async def __aiter__(self):
         seed = self.options["seed"]

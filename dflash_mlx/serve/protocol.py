@@ -120,7 +120,7 @@ def check_tools(tools, where: str = "tools") -> list[dict]:
     return tools
 
 
-def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
+def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """The conversation through the target's chat template.  A template that does not render
     tools (SmolLM2's, for one) gets them described in the system turn, with the
     <tool_call>{json}</tool_call> convention tools.ToolCalls then parses; its tool turns are
@@ -139,11 +139,24 @@ def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict]) -> list[in
         messages = _with_tool_text(messages, tools)
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools if native_tools else None, tokenize=False, add_generation_prompt=True
+            messages,
+            tools=tools if native_tools else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except Exception as e:  # the template's own checks (roles, order)
         raise RequestError(f"the chat template refused these messages ({e})", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def next_turn_tokens(tokenizer, messages: list[dict], tools: list[dict], text: str, calls: list) -> Optional[list[int]]:
+    """The conversation with its answer (`text`, tool `calls`) appended, as the client's next
+    request will render it up to its new turn; None where the template will not render it."""
+    answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+    try:
+        return prompt_tokens(tokenizer, messages + [answer], tools, add_generation_prompt=False)
+    except RequestError:
+        return None
 
 
 def _with_tool_text(messages: list[dict], tools: list[dict]) -> list[dict]:

@@ -7,12 +7,18 @@ pipeline-parallel mode): a job joins between steps, and leaves when it finishes 
 its `cancelled` is set (a client gone), freeing its row for the next.  `drain` ends it
 gracefully: no new jobs, the running ones finish (or are cut at a deadline, ending as if at
 their max_tokens).
+
+While nothing waits or runs (an agent is running its tools), the worker prefills the
+conversations as their next requests will render them (`prefill_when_idle`), into the prompt
+cache; a request arriving meanwhile stops that, or waits for it when it continues that very
+conversation (the prefill is then its own).
 """
 
 import copy
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -68,12 +74,18 @@ class Worker:
         self._closing = threading.Lock()
         self._closed = False  # the engine thread has ended: a job submitted now is refused
         self.on_finish = on_finish  # called with the last GenerationResponse of each finished job
+        self.prompt_cache = prompt_cache
+        self.idle_prompts: deque = deque(maxlen=max_batch)  # prefilled when idle, latest last
+        self.idle_prefill: Optional[tuple[int, list[int]]] = None  # (uid, prompt) running
+        self.held: list[Job] = []  # jobs continuing the idle prefill's conversation: they wait for it
+        self._admitted: deque = deque(maxlen=4 * max_batch)  # recent prompts: an idle prefill they extend is stale
+        self._idle_lock = threading.Lock()  # idle_prompts and _admitted: the HTTP side adds, the engine takes
         self._thread = threading.Thread(target=self._thread_main, name="dflash-engine", daemon=True)
         self._thread.start()
 
     @property
     def depth(self) -> int:
-        return self.jobs.qsize() + self.running
+        return self.jobs.qsize() + len(self.held) + self.running
 
     @property
     def alive(self) -> bool:
@@ -88,6 +100,19 @@ class Worker:
             except queue.Full:
                 raise QueueFull(f"{self.jobs.maxsize} requests are already waiting; retry later") from None
         return job
+
+    def prefill_when_idle(self, prompt: list[int]) -> None:
+        """Prefill `prompt` into the prompt cache once nothing waits or runs (the conversation as
+        its next request will begin: a chat answer re-tokenised as the client sends it back, and
+        the turn's closing tokens).  Latest first; the oldest are forgotten past max_batch."""
+        with self._idle_lock:
+            if self.prompt_cache is None or any(extends(seen, prompt) for seen in self._admitted):
+                return  # asked for already: the next request came first
+            self.idle_prompts.append(prompt)
+        try:
+            self.jobs.put_nowait(None)  # wakes an idle engine thread
+        except queue.Full:
+            pass
 
     def stop(self) -> None:
         """Finish the current cycle and end (waiting jobs are dropped); safe to call twice."""
@@ -138,7 +163,7 @@ class Worker:
             if not self._admit():
                 return
             self._drop_cancelled()
-            if not self.active:
+            if not self.active and self.idle_prefill is None:
                 continue
             try:
                 responses = self.batch.next()
@@ -148,6 +173,10 @@ class Worker:
             if self.on_step is not None and self.batch.last_step is not None:
                 self.on_step(self.batch.last_step.size, self.batch.last_step.width)
             for uid, response in responses:
+                if self.idle_prefill is not None and uid == self.idle_prefill[0]:
+                    if response.finish_reason:  # its one token is out: its prompt's state is kept
+                        self.idle_prefill = None
+                    continue
                 job, _ = self.active[uid]
                 job.events.put(response)
                 self.active[uid] = (job, response)
@@ -159,14 +188,29 @@ class Worker:
         """Take waiting jobs while there is room (blocking when idle) and the worker is not
         draining; False when stopping."""
         while len(self.active) < self.max_batch and self._deadline is None:
-            try:
-                job = self.jobs.get(block=not self.active)
-            except queue.Empty:
-                return True
+            if self.held and self.idle_prefill is None:
+                job = self.held.pop(0)
+            else:
+                try:
+                    job = self.jobs.get(block=not self.active and self.idle_prefill is None and not self.idle_prompts)
+                except queue.Empty:
+                    if not self.active and self.idle_prefill is None and self.idle_prompts:
+                        self._start_idle_prefill()
+                    return True
             if self._stopping:
                 return False
             if job is None or job.cancelled.is_set():  # None: a wake-up
                 continue
+            if self.idle_prefill is not None:
+                if extends(job.prompt, self.idle_prefill[1]):
+                    self.held.append(job)  # its conversation's prefill is under way: it is this job's
+                    continue
+                self._stop_idle_prefill()  # idle time is over
+            with self._idle_lock:
+                self._admitted.append(job.prompt)
+                stale = [p for p in self.idle_prompts if extends(job.prompt, p)]
+                for prompt in stale:
+                    self.idle_prompts.remove(prompt)
             try:
                 uid = self.batch.insert(job.prompt, job.max_tokens, **job.options)
             except Exception as e:
@@ -175,6 +219,19 @@ class Worker:
                 continue
             self.active[uid] = (job, None)
         return True
+
+    def _start_idle_prefill(self) -> None:
+        with self._idle_lock:
+            prompt = self.idle_prompts.pop()
+        try:
+            self.idle_prefill = (self.batch.insert(prompt, 1), prompt)
+        except ValueError:  # too long for the context: a request would be refused too
+            pass
+
+    def _stop_idle_prefill(self) -> None:
+        if self.idle_prefill is not None:
+            self.batch.remove(self.idle_prefill[0])
+            self.idle_prefill = None
 
     def _drained(self) -> bool:
         """Draining: waiting jobs refused, running ones cut once the deadline is past; True when
@@ -196,6 +253,13 @@ class Worker:
         return not self.active
 
     def _refuse_waiting(self) -> None:
+        self._stop_idle_prefill()
+        with self._idle_lock:
+            self.idle_prompts.clear()
+        for job in self.held:
+            job.events.put(Draining())
+            job.events.put(DONE)
+        self.held = []
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -206,6 +270,9 @@ class Worker:
                 job.events.put(DONE)
 
     def _drop_cancelled(self) -> None:
+        for job in [job for job in self.held if job.cancelled.is_set()]:
+            self.held.remove(job)
+            job.events.put(DONE)
         for uid, (job, last) in list(self.active.items()):
             if job.cancelled.is_set():
                 self.batch.remove(uid)
@@ -213,8 +280,13 @@ class Worker:
                 self._finished(job, last, cancelled=True)
 
     def _fail_all(self, error: Exception) -> None:
+        self._stop_idle_prefill()
         for uid, (job, _) in self.active.items():
             self.batch.remove(uid)
             job.events.put(error)
             job.events.put(DONE)
         self.active = {}
+
+
+def extends(prompt: list[int], prefix: list[int]) -> bool:
+    return len(prompt) >= len(prefix) and prompt[: len(prefix)] == prefix
