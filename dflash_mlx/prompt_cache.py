@@ -208,6 +208,11 @@ class PromptCache:
         self.reused_tokens += shared
         return target, context, shared
 
+    def covered(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the memory tier holds a state for (nothing restored)."""
+        found = self._nearest(list(tokens))
+        return found[1] if found else 0
+
     def _whole(self, entry: Snapshot, room: int = 0):
         """Fresh caches holding all of `entry` (its pieces, then its own tail), with room for
         `room` more positions so the prefill that follows writes in place."""

@@ -469,6 +469,8 @@ def test_concurrent_requests_are_batched_and_each_is_exact(served):
 def test_a_request_stops_an_idle_prefill_or_waits_for_its_own(served, monkeypatch):
     """The idle prefill yields to a request of another conversation (removed before it is in), and
     holds back a request continuing its own conversation until it is in."""
+    from types import SimpleNamespace
+
     from dflash_mlx.serve import worker
     from dflash_mlx.serve.worker import Job
     from scripted_engine import slow_batch
@@ -488,7 +490,8 @@ def test_a_request_stops_an_idle_prefill_or_waits_for_its_own(served, monkeypatc
             return out
 
     monkeypatch.setattr(worker, "BatchGenerator", Recording)
-    engine = worker.Worker(model, tokenizer, 4, max_batch=2, prompt_cache=object())
+    engine = worker.Worker(model, tokenizer, 4, max_batch=2, prompt_cache=SimpleNamespace(covered=lambda tokens: 0))
+    engine.idle_prefill_min_tokens = 1
     try:
         engine.prefill_when_idle([1, 2, 3])
         while not log:

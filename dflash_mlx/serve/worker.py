@@ -75,6 +75,9 @@ class Worker:
         self._closed = False  # the engine thread has ended: a job submitted now is refused
         self.on_finish = on_finish  # called with the last GenerationResponse of each finished job
         self.prompt_cache = prompt_cache
+        # an idle prefill of fewer new tokens saves the next turn less than the extra pass costs
+        # when the client comes back at once (it waits for that pass): its closing tokens alone
+        self.idle_prefill_min_tokens = 32
         self.idle_prompts: deque = deque(maxlen=max_batch)  # prefilled when idle, latest last
         self.idle_prefill: Optional[tuple[int, list[int]]] = None  # (uid, prompt) running
         self.held: list[Job] = []  # jobs continuing the idle prefill's conversation: they wait for it
@@ -223,6 +226,8 @@ class Worker:
     def _start_idle_prefill(self) -> None:
         with self._idle_lock:
             prompt = self.idle_prompts.pop()
+        if len(prompt) - self.prompt_cache.covered(prompt) < self.idle_prefill_min_tokens:
+            return
         try:
             self.idle_prefill = (self.batch.insert(prompt, 1), prompt)
         except ValueError:  # too long for the context: a request would be refused too
