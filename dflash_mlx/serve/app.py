@@ -56,7 +56,6 @@ class Server:
         """`access`: Guard's options (bind_host, allow_hosts, cors_origins, api_key);
         `next_turn_prefill`: see prefill_next_turn."""
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
-        self.next_turn_prefill = next_turn_prefill
         self.prompt_cache = None
         if prompt_cache_bytes is None:  # sized for the machine and the model
             prompt_cache_bytes = default_bytes(model.weight_bytes, machine_memory())
@@ -67,6 +66,7 @@ class Server:
                 prompt_cache_disk_bytes,
                 fingerprint=f"{model_id}:{model.fingerprint}",
             )
+        self.next_turn_prefill = next_turn_prefill and self.prompt_cache is not None  # nowhere to keep it else
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
         self.batch_refusal = batch_refusal(model) if max_batch > 1 else None  # why one at a time, if so
         self.max_batch = 1 if self.batch_refusal else max_batch
