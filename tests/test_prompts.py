@@ -5,7 +5,7 @@ import re
 import pytest
 
 from dflash_mlx.bench.prompt_sets import BOXED, SETS, load_prompts, mixed_prompts
-from dflash_mlx.train.prompts import builtin_prompts, read_prompts
+from dflash_mlx.train.prompts import builtin_prompts, edit_prompts, read_prompts
 
 SHINGLE = 8  # words
 
@@ -23,6 +23,18 @@ def test_builtin_prompts_share_no_8_word_span_with_benchmarks():
     assert len(bench) > 10000  # the sets really were read
     overlapping = [p for p in train if shingles(p) & bench]
     assert not overlapping, overlapping[:3]
+
+
+def test_edit_prompts_ask_one_change_of_a_whole_function_and_share_no_span_with_benchmarks():
+    edits = read_prompts("edits")
+    assert edits == edit_prompts(0) and len(edits) > 200 and len(set(edits)) == len(edits)
+    assert all("```python\ndef " in p for p in edits)
+    assert len(set(read_prompts("edits:1")) - set(edits)) > 150
+    bench = set().union(*(shingles(p) for name in SETS for p in load_prompts(name)))
+    overlapping = [p for p in edits if shingles(p) & bench]
+    assert not overlapping, overlapping[:3]
+    with pytest.raises(ValueError, match="edits:1"):
+        read_prompts("edits:x")
 
 
 def test_builtin_seeds_draw_new_prompts():

@@ -7,6 +7,9 @@ a benchmark set, so it is disjoint from HumanEval, MT-Bench, GSM8K, MATH-500 and
 AIME by construction; `tests/test_prompts.py` also checks for overlap.
 `builtin:N` draws another set from seed N (new numbers, names and pairings; the
 fixed families repeat and are skipped by `make-data` as already done).
+
+`edits` (or `edits:N`): what agents ask most, a whole function read back and rewritten
+with one small change, on the pure-Python functions of the standard library.
 """
 
 import importlib
@@ -355,6 +358,58 @@ def _stdlib_tasks() -> list[str]:
     return tasks
 
 
+EDITS = [
+    "Rename the parameter `{arg}` to `{arg}_value` everywhere",
+    "Add type hints to the signature",
+    "Replace the docstring with a one-line summary",
+    "Add a docstring that explains each parameter",
+    "Add a comment above each loop saying what it does",
+    "Raise a ValueError with a clear message when `{arg}` is None",
+    "Add logging of the arguments at debug level (import logging at the top)",
+    "Rename the function to `{name}_v2`",
+    "Make every string literal use double quotes",
+    "Return early instead of nesting the main branch, where it applies",
+]
+EDIT_FRAMES = [
+    "Here is a function from our codebase:\n```python\n{source}```\n{edit}. Answer with the whole new function "
+    "in one ```python block and nothing else.",
+    "{edit} in this function, and show me the complete updated code.\n```python\n{source}```",
+    "I read this file back:\n```python\n{source}```\nPlease rewrite it: {edit}. Keep everything else as it is.",
+]
+
+
+def _edit_sources() -> list[tuple[str, str, list[str]]]:
+    """(name, source, parameter names) of the short pure-Python functions of STUB_MODULES
+    that share no 8-word span with a benchmark prompt (docstrings list digits as some do)."""
+    from .corpus import benchmark_shingles, shingles
+
+    banned, found = benchmark_shingles(), []
+    for module_name in STUB_MODULES:
+        module = importlib.import_module(module_name)
+        for name, fn in sorted(vars(module).items()):
+            if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+                continue
+            try:
+                source = textwrap.dedent(inspect.getsource(fn))
+            except (OSError, TypeError):
+                continue
+            if 4 <= source.count("\n") <= 40 and len(source) <= 1500 and not shingles(source) & banned:
+                found.append((name, source, list(inspect.signature(fn).parameters)))
+    return found
+
+
+def edit_prompts(seed: int = 0) -> list[str]:
+    """Each short standard-library function with one small change asked of it (`seed` draws
+    the change and the wording)."""
+    rng = random.Random(seed)
+    prompts = []
+    for name, source, args in _edit_sources():
+        edit = rng.choice(EDITS).format(arg=rng.choice(args) if args else "x", name=name)
+        prompts.append(rng.choice(EDIT_FRAMES).format(source=source, edit=edit))
+    rng.shuffle(prompts)
+    return prompts
+
+
 def builtin_prompts(seed: int = 0) -> list[str]:
     """A deterministic, shuffled list of several hundred diverse prompts."""
     rng = random.Random(seed)
@@ -378,12 +433,13 @@ def builtin_prompts(seed: int = 0) -> list[str]:
 
 
 def read_prompts(source: str) -> list[str]:
-    """'builtin' (or 'builtin:SEED'), a .txt file (one prompt per line) or .jsonl ({"prompt": ...} per line)."""
-    if source == "builtin" or source.startswith("builtin:"):
-        seed = source.partition(":")[2]
+    """'builtin' or 'edits' (or 'builtin:SEED', 'edits:SEED'), a .txt file (one prompt per line)
+    or .jsonl ({"prompt": ...} per line)."""
+    kind, _, seed = source.partition(":")
+    if kind in ("builtin", "edits"):
         if seed and not seed.isdigit():
-            raise ValueError(f"{source!r}: the builtin seed must be a number, as in builtin:1")
-        return builtin_prompts(int(seed or 0))
+            raise ValueError(f"{source!r}: the {kind} seed must be a number, as in {kind}:1")
+        return (builtin_prompts if kind == "builtin" else edit_prompts)(int(seed or 0))
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"no prompts file at {source}; pass a .txt/.jsonl file or 'builtin'")
