@@ -1,7 +1,8 @@
 """The DFlash decode loop: one step for one request or many.
 
     join     waiting prompts are prefilled together, one chunk each per step in one target
-             pass (from the longest prefix the prompt cache holds); the pass that ends a
+             pass (from the longest prefix the prompt cache holds; one that begins as a
+             prompt being prefilled waits to restore what they share); the pass that ends a
              prompt chooses its first token, and the row joins the decoding rows
     plan     each row's proposal and the step's verify width (plan.py)
     propose  per row: the drafter ([last token, MASK x (w-1)], one pass for the rows drafting
@@ -39,6 +40,7 @@ from .sampling import SamplingParams, accept, choose
 from .target import BatchTargetCache, TargetCache
 
 PREFILL_STEP = 512
+SHARED_MIN = 64  # a prefix shared with a prompt being prefilled worth waiting for (keeping its state costs a copy)
 
 
 @dataclass
@@ -99,6 +101,12 @@ def draft_rows(
         params,
         [None if noise is None else noise[:-1] for noise in noises],
     )
+
+
+def shared_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def restore_prefix(
@@ -224,13 +232,48 @@ class Decoder:
     def _admit(self) -> None:
         """Waiting requests start their prefill (first come, first served: a long request waits
         for room instead of being overtaken for ever) from the longest prefix the prompt cache
-        holds (never the last token: its pass chooses the first one)."""
-        while self.waiting and self._room_for(self.waiting[0]):
-            row = self.waiting.pop(0)
+        holds (never the last token: its pass chooses the first one).  A request whose prompt
+        begins as one being prefilled (parallel agent sessions on one system prompt and set of
+        tools) waits until that prefill has passed what they share, and restores it instead of
+        prefilling it beside it: both get their first token sooner on a compute-bound machine."""
+        for row in list(self.waiting):
+            if not self._room_for(row):
+                break
+            if self._awaited(row) is not None:
+                continue
+            self.waiting.remove(row)
             tcache, start = restore_prefix(self.model, row, self.prompt_cache)
             row.unfilled = row.prompt[start:]
             self.filling.append(row)
             self.fill_cache = self._joined(self.fill_cache, [tcache])
+
+    def _awaited(self, row: Request) -> Optional[tuple[Request, int]]:
+        """The filling request whose prompt shares SHARED_MIN tokens or more with `row`'s, more
+        than the prompt cache holds of it now, and how much of it `row` restores once that
+        prefill has passed it (where caches cannot be cut back, up to the last snapshot inside)."""
+        if self.prompt_cache is None or not self.filling:
+            return None
+        cut_back = self.snapshot_every is None and all(c.window is None for c in row.context.cache or [])
+        if not (cut_back or self.snapshot_every):
+            return None
+        usable = row.prompt[:-1]
+        covered = self.prompt_cache.covered(usable)
+        for other in self.filling:
+            shared = shared_length(other.prompt, usable)
+            if self.snapshot_every:
+                shared -= shared % self.snapshot_every
+            if shared >= SHARED_MIN and shared > covered:
+                return other, shared
+        return None
+
+    def _awaits(self, row: Request, filled: int) -> bool:
+        """Whether a waiting request waits for `row`'s prefill, now `filled` tokens in, to pass
+        what they share, and it has (its state is then kept for it where caches can be cut
+        back; where they cannot, the snapshots along the prefill are)."""
+        return not self.snapshot_every and any(
+            (awaited := self._awaited(waiting)) is not None and awaited[0] is row and filled >= awaited[1]
+            for waiting in self.waiting
+        )
 
     def _room_for(self, row: Request) -> bool:
         others = self.rows + self.filling
@@ -268,6 +311,8 @@ class Decoder:
             if not row.unfilled:
                 firsts[i] = choose(masked(logits[i], row.masks([])), row.params, row.noise_at(0, 1))
             elif self.snapshot_every and (filled % self.snapshot_every == 0 or len(row.unfilled) == 1):
+                self.prompt_cache.store(row.prompt[:filled], self.fill_cache.extract(i), row.context.flush())
+            if self._awaits(row, filled):
                 self.prompt_cache.store(row.prompt[:filled], self.fill_cache.extract(i), row.context.flush())
         mx.eval(
             tree_arrays([c.state for c in self.fill_cache.layers]),

@@ -5,7 +5,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.engine import Decoder, decode
+from dflash_mlx.engine import SHARED_MIN, Decoder, decode
 from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.prompt_cache import PromptCache, default_bytes
 from dflash_mlx.request import Request
@@ -94,6 +94,25 @@ def test_a_hybrid_restores_the_nearest_snapshot_along_a_long_prompt(model_type, 
     kv = PromptCache(snapshot_every=16)
     run(DFlashModel(tiny_target("qwen3", seed=2)), long, kv)
     assert len(kv.entries) == 1  # cuttable caches need none along the way: the answer's serves any prefix
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
+def test_requests_arriving_together_on_one_long_prefix_prefill_it_once(model_type):
+    """Parallel agent sessions on one system prompt: the second and third wait for the first's
+    prefill to pass what they share and restore it (up to the last snapshot inside it where
+    states cannot be cut back); a prefix shorter than SHARED_MIN is not waited for.  Every
+    answer is the cold one."""
+    target = tiny_target(model_type, seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    system = list(range(100, 100 + 2 * SHARED_MIN + 10))
+    prompts = [system + [5, 6, 7], system + [8, 9], system[:40] + [3], system + [5, 6, 7]]
+    cache = PromptCache(snapshot_every=32)
+    answers = run_batched(model, prompts, cache)
+    restored = [cached for _, cached in answers]
+    shared = len(system) if model_type == "llama" else len(system) - len(system) % 32
+    assert restored[0] == 0 and restored[1] == shared and restored[2] == 0
+    assert restored[3] == (len(prompts[3]) - 1 if model_type == "llama" else shared)
+    assert [answer for answer, _ in answers] == [run(model, prompt)[0] for prompt in prompts]
 
 
 def test_the_cache_stays_within_its_bytes():
