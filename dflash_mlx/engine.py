@@ -242,6 +242,7 @@ class Decoder:
             if self._awaited(row) is not None:
                 continue
             self.waiting.remove(row)
+            self._keep_shared(row)
             tcache, start = restore_prefix(self.model, row, self.prompt_cache)
             row.unfilled = row.prompt[start:]
             self.filling.append(row)
@@ -251,10 +252,7 @@ class Decoder:
         """The filling request whose prompt shares SHARED_MIN tokens or more with `row`'s, more
         than the prompt cache holds of it now, and how much of it `row` restores once that
         prefill has passed it (where caches cannot be cut back, up to the last snapshot inside)."""
-        if self.prompt_cache is None or not self.filling:
-            return None
-        cut_back = self.snapshot_every is None and all(c.window is None for c in row.context.cache or [])
-        if not (cut_back or self.snapshot_every):
+        if self.prompt_cache is None or not self.filling or not (self._cut_back(row) or self.snapshot_every):
             return None
         usable = row.prompt[:-1]
         covered = self.prompt_cache.covered(usable)
@@ -265,6 +263,24 @@ class Decoder:
             if shared >= SHARED_MIN and shared > covered:
                 return other, shared
         return None
+
+    def _cut_back(self, row: Request) -> bool:
+        """Whether a kept state of another prompt serves `row` up to where they part."""
+        return self.snapshot_every is None and all(c.window is None for c in row.context.cache or [])
+
+    def _keep_shared(self, row: Request) -> None:
+        """A decoding row's state kept for `row` to restore when their tokens share SHARED_MIN or
+        more beyond what the prompt cache holds (a prompt too short to be kept at its prefill's
+        end, asked again or shared while its answer is being written)."""
+        if self.prompt_cache is None or not self.rows or self._queued is not None or not self._cut_back(row):
+            return  # (a queued pass, never there while requests wait, would have fed one more token)
+        usable = row.prompt[:-1]
+        covered = self.prompt_cache.covered(usable)
+        for i, other in enumerate(self.rows):
+            fed = other.prompt + other.output[:-1]
+            if shared_length(fed, usable) - covered >= SHARED_MIN:
+                self.prompt_cache.store(fed, self.cache.extract(i), other.context.flush())
+                return
 
     def _awaits(self, row: Request, filled: int) -> bool:
         """Whether a waiting request waits for `row`'s prefill, now `filled` tokens in, to pass

@@ -115,6 +115,28 @@ def test_requests_arriving_together_on_one_long_prefix_prefill_it_once(model_typ
     assert [answer for answer, _ in answers] == [run(model, prompt)[0] for prompt in prompts]
 
 
+def test_a_request_restores_what_it_shares_with_a_row_decoding():
+    """A prompt shorter than a prefill chunk is not kept when its prefill ends; a request asking
+    it again (or sharing its beginning) while its answer is being written restores it from the
+    decoding row's state, cut back to what they share, and answers as cold."""
+    target = tiny_target("qwen3", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    system = list(range(100, 100 + SHARED_MIN + 20))
+    cache = PromptCache()
+    decoder = Decoder(model, cache, max_batch=3)
+    first = Request(system + [5, 6, 7], 24)
+    decoder.add(first)
+    decoder.step()  # prefilled: decoding
+    decoder.step()
+    later = [Request(system + [5, 6, 7], 24), Request(system[:-10] + [9], 24)]
+    for request in later:
+        decoder.add(request)
+    while decoder.busy:
+        decoder.step()
+    assert [r.stats.cached_tokens for r in later] == [len(system) + 2, len(system) - 10]
+    assert [r.output for r in [first] + later] == [run(model, r.prompt)[0] for r in [first] + later]
+
+
 def test_the_cache_stays_within_its_bytes():
     target = tiny_target("qwen3", seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
