@@ -33,6 +33,11 @@ def test_edit_prompts_ask_one_change_of_a_whole_function_and_share_no_span_with_
     bench = set().union(*(shingles(p) for name in SETS for p in load_prompts(name)))
     overlapping = [p for p in edits if shingles(p) & bench]
     assert not overlapping, overlapping[:3]
+    from dflash_mlx.bench.prompt_sets import COPY_MODULES, DOC_MODULES
+    from dflash_mlx.train.prompts import EDITS, STUB_MODULES
+
+    assert not set(STUB_MODULES) & set(COPY_MODULES + DOC_MODULES)  # the copy-heavy set's sources
+    assert not any("type hints" in edit or "_value" in edit for edit in EDITS)  # nor its tasks
     with pytest.raises(ValueError, match="edits:1"):
         read_prompts("edits:x")
 

@@ -358,9 +358,9 @@ def _stdlib_tasks() -> list[str]:
     return tasks
 
 
+# none of them is a task of the copy-heavy benchmark set (type hints, a rename to `x_value`, typos, JSON)
 EDITS = [
-    "Rename the parameter `{arg}` to `{arg}_value` everywhere",
-    "Add type hints to the signature",
+    "Give the parameter `{arg}` a more descriptive name",
     "Replace the docstring with a one-line summary",
     "Add a docstring that explains each parameter",
     "Add a comment above each loop saying what it does",
@@ -369,6 +369,7 @@ EDITS = [
     "Rename the function to `{name}_v2`",
     "Make every string literal use double quotes",
     "Return early instead of nesting the main branch, where it applies",
+    "Wrap the body in a try block that re-raises errors with the function's name added",
 ]
 EDIT_FRAMES = [
     "Here is a function from our codebase:\n```python\n{source}```\n{edit}. Answer with the whole new function "
@@ -379,8 +380,9 @@ EDIT_FRAMES = [
 
 
 def _edit_sources() -> list[tuple[str, str, list[str]]]:
-    """(name, source, parameter names) of the short pure-Python functions of STUB_MODULES
-    that share no 8-word span with a benchmark prompt (docstrings list digits as some do)."""
+    """(name, source, parameter names) of the short pure-Python functions of STUB_MODULES (none
+    of the copy-heavy benchmark set's modules) that share no 8-word span with a benchmark
+    prompt (docstrings list digits as some do)."""
     from .corpus import benchmark_shingles, shingles
 
     banned, found = benchmark_shingles(), []
