@@ -103,10 +103,15 @@ def draft_rows(
     )
 
 
-def shared_length(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` have in common."""
+def shared_length(a: list[int], b: list[int], block: int = 256) -> int:
+    """How many leading tokens `a` and `b` have in common (compared a block at a time)."""
     n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    if a[:n] == b[:n]:
+        return n
+    start = 0
+    while a[start : start + block] == b[start : start + block]:
+        start += block
+    return start + next(i for i in range(block) if a[start + i] != b[start + i])
 
 
 def restore_prefix(
@@ -249,18 +254,16 @@ class Decoder:
             self.fill_cache = self._joined(self.fill_cache, [tcache])
 
     def _awaited(self, row: Request) -> Optional[tuple[Request, int]]:
-        """The filling request whose prompt shares SHARED_MIN tokens or more with `row`'s, more
-        than the prompt cache holds of it now, and how much of it `row` restores once that
-        prefill has passed it (where caches cannot be cut back, up to the last snapshot inside)."""
-        if self.prompt_cache is None or not self.filling or not (self._cut_back(row) or self.snapshot_every):
+        """The filling request that has not yet prefilled the SHARED_MIN or more tokens its prompt
+        shares with `row`'s, and how many of them `row` restores once it has (where caches cannot
+        be cut back, up to the last snapshot inside)."""
+        if self.prompt_cache is None or not (self._cut_back(row) or self.snapshot_every):
             return None
-        usable = row.prompt[:-1]
-        covered = self.prompt_cache.covered(usable)
         for other in self.filling:
-            shared = shared_length(other.prompt, usable)
+            shared = shared_length(other.prompt, row.prompt[:-1])
             if self.snapshot_every:
                 shared -= shared % self.snapshot_every
-            if shared >= SHARED_MIN and shared > covered:
+            if shared >= SHARED_MIN and len(other.prompt) - len(other.unfilled) < shared:
                 return other, shared
         return None
 
@@ -282,15 +285,6 @@ class Decoder:
                 self.prompt_cache.store(fed, self.cache.extract(i), other.context.flush())
                 return
 
-    def _awaits(self, row: Request, filled: int) -> bool:
-        """Whether a waiting request waits for `row`'s prefill, now `filled` tokens in, to pass
-        what they share, and it has (its state is then kept for it where caches can be cut
-        back; where they cannot, the snapshots along the prefill are)."""
-        return not self.snapshot_every and any(
-            (awaited := self._awaited(waiting)) is not None and awaited[0] is row and filled >= awaited[1]
-            for waiting in self.waiting
-        )
-
     def _room_for(self, row: Request) -> bool:
         others = self.rows + self.filling
         if len(others) >= self.max_batch:
@@ -310,6 +304,9 @@ class Decoder:
         only); the rows whose prompt is in have their first token chosen from its logits (their
         Step goes into `steps`) and join the decoding rows."""
         rows, tic = self.filling, self.clock()
+        # where caches can be cut back, a row's state is kept once it has passed what a waiting
+        # request waits for (where they cannot, the snapshots along the prefill serve it)
+        awaited = [] if self.snapshot_every else [a for w in self.waiting[: self.max_batch] if (a := self._awaited(w))]
         span = max(PREFILL_STEP // len(rows), 1)
         chunks = [row.unfilled[: self._chunk_length(row, span)] for row in rows]
         lengths = [len(chunk) for chunk in chunks]
@@ -328,7 +325,7 @@ class Decoder:
                 firsts[i] = choose(masked(logits[i], row.masks([])), row.params, row.noise_at(0, 1))
             elif self.snapshot_every and (filled % self.snapshot_every == 0 or len(row.unfilled) == 1):
                 self.prompt_cache.store(row.prompt[:filled], self.fill_cache.extract(i), row.context.flush())
-            if self._awaits(row, filled):
+            if any(other is row and shared <= filled for other, shared in awaited):
                 self.prompt_cache.store(row.prompt[:filled], self.fill_cache.extract(i), row.context.flush())
         mx.eval(
             tree_arrays([c.state for c in self.fill_cache.layers]),

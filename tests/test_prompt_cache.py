@@ -5,7 +5,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.engine import SHARED_MIN, Decoder, decode
+from dflash_mlx.engine import SHARED_MIN, Decoder, decode, shared_length
 from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.prompt_cache import PromptCache, default_bytes
 from dflash_mlx.request import Request
@@ -94,6 +94,14 @@ def test_a_hybrid_restores_the_nearest_snapshot_along_a_long_prompt(model_type, 
     kv = PromptCache(snapshot_every=16)
     run(DFlashModel(tiny_target("qwen3", seed=2)), long, kv)
     assert len(kv.entries) == 1  # cuttable caches need none along the way: the answer's serves any prefix
+
+
+def test_shared_length_counts_the_common_beginning():
+    tokens = list(range(1000))
+    for where in (0, 1, 255, 256, 257, 999):
+        assert shared_length(tokens, tokens[:where] + [-1] + tokens[where + 1 :], block=256) == where
+    assert shared_length(tokens, tokens) == 1000 and shared_length(tokens[:600], tokens) == 600
+    assert shared_length([], tokens) == 0
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
