@@ -513,5 +513,15 @@ def test_a_request_stops_an_idle_prefill_or_waits_for_its_own(served, monkeypatc
 
         engine.prefill_when_idle([4, 5, 6, 7, 8][:3])  # already asked for by a request: nothing to do
         assert not engine.idle_prompts
+
+        log.clear()  # a free row takes the next turn while another conversation decodes
+        busy = engine.submit(Job([7, 7], 40, {}))
+        while not log:
+            time.sleep(0.005)
+        engine.prefill_when_idle([1, 2, 3, 4])
+        while busy.events.get(timeout=10) is not worker.DONE:
+            pass
+        assert log[:2] == [("insert", (7, 7)), ("insert", (1, 2, 3, 4))]  # before the decoding one ended
+        assert log[2][0] == "end"
     finally:
         engine.stop()

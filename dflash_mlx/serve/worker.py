@@ -8,10 +8,10 @@ its `cancelled` is set (a client gone), freeing its row for the next.  `drain` e
 gracefully: no new jobs, the running ones finish (or are cut at a deadline, ending as if at
 their max_tokens).
 
-While nothing waits or runs (an agent is running its tools), the worker prefills the
-conversations as their next requests will render them (`prefill_when_idle`), into the prompt
-cache; a request arriving meanwhile stops that, or waits for it when it continues that very
-conversation (the prefill is then its own).
+While nothing waits and a row is free (an agent is running its tools; others may be
+decoding), the worker prefills the conversations as their next requests will render them
+(`prefill_when_idle`), into the prompt cache; a request arriving meanwhile stops that, or
+waits for it when it continues that very conversation (the prefill is then its own).
 """
 
 import copy
@@ -196,8 +196,8 @@ class Worker:
             else:
                 try:
                     job = self.jobs.get(block=not self.active and self.idle_prefill is None and not self.idle_prompts)
-                except queue.Empty:
-                    if not self.active and self.idle_prefill is None and self.idle_prompts:
+                except queue.Empty:  # nothing waits: a free row takes a conversation's next turn
+                    if self.idle_prefill is None and self.idle_prompts:
                         self._start_idle_prefill()
                     return True
             if self._stopping:
