@@ -73,18 +73,11 @@ class AcceptanceEstimate:
             # token is evidence for the next (per-position rates never learn positions not yet tried)
             rate = (sum(self.hits) + priors[0] * self.prior_weight) / (sum(self.trials) + self.prior_weight)
             return [rate] * self.max_width
-        rates, previous, scale = [], priors[0], 1.0
+        rates, previous = [], priors[0]
         for k, (t, h) in enumerate(zip(self.trials, self.hits)):
             own = priors[k] if k < len(priors) else None
-            own = None if own is None else own * scale
             previous = (h + (previous if own is None else own) * self.prior_weight) / (t + self.prior_weight)
             rates.append(previous)
-            if k == 0 and priors[0] > 0:
-                # a drafter worse than usual at its first token on this text is worse at the rest
-                # too: the later positions' priors (rarely tested once the first is often wrong)
-                # shrink by as much (traced: a row accepting ~1 in 4 first tokens kept verifying 8
-                # wide on the long run's 0.8 for positions it hardly ever reached)
-                scale = min(1.0, previous / priors[0])
         return rates
 
     def informed_rates(self, min_trials: float = 1.0) -> list[Optional[float]]:

@@ -249,22 +249,6 @@ def test_sampling_cost_counts_every_verified_and_drafted_position():
     assert best(planner, row).width > 1 and best(planner, row, params=top_p) == PLAIN
 
 
-def test_a_drafter_worse_than_usual_at_its_first_token_is_trusted_less_after_it():
-    """A row whose first drafted token is right far less often than the long run says expects the
-    positions after it (that it hardly reaches) to be right less often too; a row doing as well as
-    the long run keeps the long run's later rates."""
-    long_run = [0.7, 0.85, 0.85, 0.85]
-    worse, usual = AcceptanceEstimate(4, prior=long_run), AcceptanceEstimate(4, prior=long_run)
-    for _ in range(8):
-        worse.observe(4, 0)
-    for i in range(10):
-        usual.observe(4, 3 if i % 10 < 7 else 0)
-    first = worse.rates()[0]
-    assert first < 0.3 and worse.rates()[1] == pytest.approx(0.85 * first / 0.7)
-    assert usual.rates()[0] == pytest.approx(0.7, abs=0.02) and min(usual.rates()[1:]) > 0.84
-    assert worse.expected_committed()[4] < 1.4 < usual.expected_committed()[4]
-
-
 def test_acceptance_estimate_learns_conditional_rates():
     true = [0.9, 0.8, 0.5, 0.3] + [0.2] * 4
     estimate = AcceptanceEstimate(8, decay=0.999)
