@@ -323,9 +323,10 @@ class Decoder:
             filled = len(row.prompt) - len(row.unfilled)
             if not row.unfilled:
                 firsts[i] = choose(masked(logits[i], row.masks([])), row.params, row.noise_at(0, 1))
-            elif self.snapshot_every and (filled % self.snapshot_every == 0 or len(row.unfilled) == 1):
-                self.prompt_cache.store(row.prompt[:filled], self.fill_cache.extract(i), row.context.flush())
-            if any(other is row and shared <= filled for other, shared in awaited):
+            snapshot = (
+                self.snapshot_every and row.unfilled and (filled % self.snapshot_every == 0 or len(row.unfilled) == 1)
+            )
+            if snapshot or any(other is row and shared <= filled for other, shared in awaited):
                 self.prompt_cache.store(row.prompt[:filled], self.fill_cache.extract(i), row.context.flush())
         mx.eval(
             tree_arrays([c.state for c in self.fill_cache.layers]),

@@ -324,20 +324,25 @@ def _competition(rng: random.Random) -> str:
     return rng.choice(templates) + " " + BOXED
 
 
-def _code_stubs(rng: random.Random) -> list[str]:
-    """Function signatures with their docstrings, to be completed."""
-    stubs = []
+def _stub_functions():
+    """(module name, name, function) of the public functions STUB_MODULES define themselves, in order."""
     for module_name in STUB_MODULES:
         module = importlib.import_module(module_name)
         for name, fn in sorted(vars(module).items()):
-            if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
-                continue
-            doc = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
-            signature = str(inspect.signature(fn))
-            if not 20 <= len(doc) <= 400 or '"""' in doc or "\\" in doc or " at 0x" in signature:
-                continue
-            stub = f"def {name}{signature}:\n" + textwrap.indent(f'"""{doc}\n"""', "    ") + "\n"
-            stubs.append(rng.choice(STUB_FRAMES).format(stub=stub, module=module_name))
+            if not name.startswith("_") and inspect.isfunction(fn) and fn.__module__ == module.__name__:
+                yield module_name, name, fn
+
+
+def _code_stubs(rng: random.Random) -> list[str]:
+    """Function signatures with their docstrings, to be completed."""
+    stubs = []
+    for module_name, name, fn in _stub_functions():
+        doc = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
+        signature = str(inspect.signature(fn))
+        if not 20 <= len(doc) <= 400 or '"""' in doc or "\\" in doc or " at 0x" in signature:
+            continue
+        stub = f"def {name}{signature}:\n" + textwrap.indent(f'"""{doc}\n"""', "    ") + "\n"
+        stubs.append(rng.choice(STUB_FRAMES).format(stub=stub, module=module_name))
     return stubs
 
 
@@ -386,17 +391,13 @@ def _edit_sources() -> list[tuple[str, str, list[str]]]:
     from .corpus import benchmark_shingles, shingles
 
     banned, found = benchmark_shingles(), []
-    for module_name in STUB_MODULES:
-        module = importlib.import_module(module_name)
-        for name, fn in sorted(vars(module).items()):
-            if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
-                continue
-            try:
-                source = textwrap.dedent(inspect.getsource(fn))
-            except (OSError, TypeError):
-                continue
-            if 4 <= source.count("\n") <= 40 and len(source) <= 1500 and not shingles(source) & banned:
-                found.append((name, source, list(inspect.signature(fn).parameters)))
+    for _, name, fn in _stub_functions():
+        try:
+            source = textwrap.dedent(inspect.getsource(fn))
+        except (OSError, TypeError):
+            continue
+        if 4 <= source.count("\n") <= 40 and len(source) <= 1500 and not shingles(source) & banned:
+            found.append((name, source, list(inspect.signature(fn).parameters)))
     return found
 
 
@@ -444,7 +445,7 @@ def read_prompts(source: str) -> list[str]:
         return (builtin_prompts if kind == "builtin" else edit_prompts)(int(seed or 0))
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"no prompts file at {source}; pass a .txt/.jsonl file or 'builtin'")
+        raise FileNotFoundError(f"no prompts file at {source}; pass a .txt/.jsonl file, 'builtin' or 'edits'")
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     if path.suffix == ".jsonl":
         try:
