@@ -135,7 +135,7 @@ def wait_idle(server, seconds: float = 30.0) -> None:
     assert not server.worker.idle_prompts and server.worker.idle_prefill is None
 
 
-@pytest.mark.parametrize("api,least", [("anthropic", 1), ("openai", 1), ("anthropic", 32)])
+@pytest.mark.parametrize("api,least", [("anthropic", 1), ("openai", 1), ("responses", 1), ("anthropic", 32)])
 def test_the_next_turn_is_prefilled_while_the_client_acts(live, api, least, monkeypatch):
     """After an answer, the conversation as the client sends it back (the answer re-tokenised,
     the turn closed) is prefilled while the server is idle: the next turn restores all of it and
@@ -149,6 +149,12 @@ def test_the_next_turn_is_prefilled_while_the_client_acts(live, api, least, monk
     if api == "anthropic":
         with live.anthropic.messages.stream(model="tiny", max_tokens=20, system=system, messages=messages) as stream:
             answer = stream.get_final_message().content[0].text
+    elif api == "responses":
+        output = live.openai.responses.create(
+            model="tiny", max_output_tokens=20, instructions=system, input=messages, stream=True
+        )
+        first = next(event.response for event in output if event.type in ("response.completed", "response.incomplete"))
+        answer = first.output_text
     else:
         reply = live.openai.chat.completions.create(
             model="tiny", max_tokens=20, messages=[{"role": "system", "content": system}, *messages]
@@ -156,12 +162,16 @@ def test_the_next_turn_is_prefilled_while_the_client_acts(live, api, least, monk
         answer = reply.choices[0].message.content
     wait_idle(live.server)
     rendered = [{"role": "system", "content": system}, *messages, {"role": "assistant", "content": answer}]
-    follow = next_turn_tokens(live.tokenizer, rendered[:-1], [], answer, [])
+    follow = next_turn_tokens(live.tokenizer, rendered, [])
     nxt = rendered + [{"role": "user", "content": "now write it back"}]
     assert chat_ids(live.tokenizer, nxt)[: len(follow)] == follow  # the template renders it so
     if api == "anthropic":
         reply = live.anthropic.messages.create(model="tiny", max_tokens=8, system=system, messages=nxt[1:])
         text, cached = reply.content[0].text, reply.usage.cache_read_input_tokens
+    elif api == "responses":  # the output items sent back as they came
+        sent = messages + [item.model_dump(exclude_none=True) for item in first.output] + nxt[-1:]
+        reply = live.openai.responses.create(model="tiny", max_output_tokens=8, instructions=system, input=sent)
+        text, cached = reply.output_text, reply.usage.input_tokens_details.cached_tokens
     else:
         reply = live.openai.chat.completions.create(model="tiny", max_tokens=8, messages=nxt)
         text, cached = reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from .protocol import (
     RequestError,
+    answer_message,
     check_tools,
     decoding_stats,
     number,
@@ -273,7 +274,7 @@ class _Message:
         """Once the answer is out (a background task of its response): its next turn prefilled
         while the client acts on it (Server.prefill_next_turn)."""
         if self.last is not None and self.last.finish_reason:
-            self.server.prefill_next_turn(self.messages, self.tools, self.text, self.calls)
+            self.server.prefill_next_turn(self.messages + [answer_message(self.text, self.calls)], self.tools)
 
     @staticmethod
     def _event(kind: str, **fields) -> str:

@@ -235,9 +235,10 @@ class Server:
         finally:
             job.cancelled.set()
 
-    def prefill_next_turn(self, messages: list[dict], tools: list, text: str, calls: list) -> None:
-        """A chat answered: while the client acts on it (an agent runs its tools), the engine
-        prefills the conversation as the next request will render it.  Its state after the answer
+    def prefill_next_turn(self, conversation: list[dict], tools: list) -> None:
+        """A chat answered (`conversation`: its messages, then the answer as the client sends it
+        back): while the client acts on it (an agent runs its tools), the engine prefills the
+        conversation as the next request will render it.  Its state after the answer
         is kept already, but a client sends the answer back as text, which the tokenizer may
         split otherwise (the model's " chat" + "ting" reads back as " chatting"): from there on,
         and for the turn's closing tokens, the next request would prefill again.  Off by default
@@ -245,7 +246,7 @@ class Server:
         test's offline generate) would race; `dflash-mlx serve` turns it on."""
         if not self.next_turn_prefill:
             return
-        tokens = next_turn_tokens(self.tokenizer, messages, tools, text, calls)
+        tokens = next_turn_tokens(self.tokenizer, conversation, tools)
         if tokens:
             self.worker.prefill_when_idle(tokens)
 

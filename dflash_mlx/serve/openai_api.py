@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from ..grammar import Grammar
 from .protocol import (
     RequestError,
+    answer_message,
     arguments_json,
     check_tools,
     decoding_stats,
@@ -413,37 +414,7 @@ class OpenAIAPI:
             items = [{"role": "user", "content": items}]
         if not isinstance(items, list) or not items:
             raise RequestError("input must be a non-empty string or a list of items", param="input")
-        for i, item in enumerate(items):
-            kind = item.get("type", "message") if isinstance(item, dict) else None
-            if kind == "message":
-                messages.append(
-                    {"role": item.get("role"), "content": text_of(item.get("content"), f"input[{i}].content")}
-                )
-            elif kind == "function_call":
-                call = {
-                    "id": item.get("call_id"),
-                    "type": "function",
-                    "function": {"name": item.get("name"), "arguments": arguments_json(item.get("arguments"))},
-                }
-                if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
-                    messages[-1].setdefault("tool_calls", []).append(call)
-                else:
-                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            elif kind == "function_call_output":
-                output = item.get("output")
-                messages.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else text_of(output, f"input[{i}]"),
-                    }
-                )
-            else:
-                raise RequestError(
-                    f"input[{i}] is a {kind!r} item; this server reads message, function_call and "
-                    "function_call_output items",
-                    param="input",
-                )
+        messages += input_messages(items)
         raw_tools = body.get("tools") or []
         if not isinstance(raw_tools, list):
             raise RequestError("tools must be a list", param="tools")
@@ -457,29 +428,69 @@ class OpenAIAPI:
         )
         tools = _tools_for(tools, body.get("tool_choice"))
         logprobs = number(body, "top_logprobs", 0, numbers.Integral, 0, 20) if include else None
-        return prompt_tokens(self.server.tokenizer, messages, tools), tools, logprobs, grammar
+        return prompt_tokens(self.server.tokenizer, messages, tools), messages, tools, logprobs, grammar
 
     async def responses(self, request: Request):
         try:
             body = await self.server.body(request)
-            prompt, tools, logprobs, grammar = self._responses_request(body)
+            prompt, messages, tools, logprobs, grammar = self._responses_request(body)
             options = {**sampling(body, {"stop": "stop"}), "logprobs": logprobs, "grammar": grammar}
             max_tokens, stream, _ = self._common(body, 512, ("max_output_tokens",))
             ignored = unknown_fields(body, RESPONSES_FIELDS)
             job, first = await self.server.start(prompt, max_tokens, options)
         except RequestError as e:
             return self.error(e)
-        response = _Response(self, body, tools, ignored)
+        response = _Response(self, body, messages, tools, ignored)
+        follow = BackgroundTask(response.prefill_next_turn)
         if stream:
             return StreamingResponse(
-                response.stream(job, first), media_type="text/event-stream", headers=self._headers(ignored)
+                response.stream(job, first),
+                media_type="text/event-stream",
+                headers=self._headers(ignored),
+                background=follow,
             )
         try:
             async for _ in response.run(job, first):
                 pass
         except RequestError as e:
             return self.error(e)
-        return JSONResponse(response.snapshot(), headers=self._headers(ignored))
+        return JSONResponse(response.snapshot(), headers=self._headers(ignored), background=follow)
+
+
+def input_messages(items: list) -> list[dict]:
+    """Responses API input items as chat messages (a function call joins the assistant message
+    before it when that has no text)."""
+    messages = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": text_of(item.get("content"), f"input[{i}].content")})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": arguments_json(item.get("arguments"))},
+            }
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else text_of(output, f"input[{i}]"),
+                }
+            )
+        else:
+            raise RequestError(
+                f"input[{i}] is a {kind!r} item; this server reads message, function_call and "
+                "function_call_output items",
+                param="input",
+            )
+    return messages
 
 
 class _Choices:
@@ -500,7 +511,7 @@ class _Choices:
     def prefill_next_turn(self) -> None:
         """Once a one-choice chat's answer is out: its next turn prefilled (Server.prefill_next_turn)."""
         if self.messages is not None and self.n == 1 and self.finished:
-            self.api.server.prefill_next_turn(self.messages, self.tools, self.text, self.calls)
+            self.api.server.prefill_next_turn(self.messages + [answer_message(self.text, self.calls)], self.tools)
 
     async def __aiter__(self):
         seed = self.options["seed"]
@@ -519,8 +530,8 @@ class _Response:
     """One Responses API response, built from the engine's events: the final object, or the
     stream of typed events the openai client parses."""
 
-    def __init__(self, api: OpenAIAPI, body: dict, tools: list, ignored: list[str]):
-        self.api, self.body, self.tools, self.ignored = api, body, tools, ignored
+    def __init__(self, api: OpenAIAPI, body: dict, messages: list[dict], tools: list, ignored: list[str]):
+        self.api, self.body, self.messages, self.tools, self.ignored = api, body, messages, tools, ignored
         self.id = "resp_" + uuid.uuid4().hex
         self.message_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
@@ -607,6 +618,13 @@ class _Response:
             }
             for lp in logprobs
         ]
+
+    def prefill_next_turn(self) -> None:
+        """Once the response is complete: the conversation with its output items, as the client
+        sends them back as input, prefilled while it acts on them (Server.prefill_next_turn)."""
+        if self.last is not None and self.last.finish_reason:
+            answer = input_messages(self.snapshot()["output"])
+            self.api.server.prefill_next_turn(self.messages + answer, self.tools)
 
     async def run(self, job, first):
         """Consume the engine's events; yields the text shown at each."""

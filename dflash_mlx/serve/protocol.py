@@ -149,12 +149,16 @@ def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict], add_genera
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def next_turn_tokens(tokenizer, messages: list[dict], tools: list[dict], text: str, calls: list) -> Optional[list[int]]:
-    """The conversation with its answer (`text`, tool `calls`) appended, as the client's next
-    request will render it up to its new turn; None where the template will not render it."""
-    answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+def answer_message(text: str, calls: list) -> dict:
+    """An answer as a chat client sends it back: its text and tool calls, one assistant message."""
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def next_turn_tokens(tokenizer, conversation: list[dict], tools: list[dict]) -> Optional[list[int]]:
+    """The conversation, its answer last (as the client's next request will send it), rendered up
+    to the next turn; None where the template will not render it."""
     try:
-        return prompt_tokens(tokenizer, messages + [answer], tools, add_generation_prompt=False)
+        return prompt_tokens(tokenizer, conversation, tools, add_generation_prompt=False)
     except RequestError:
         return None
 
