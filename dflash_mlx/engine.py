@@ -36,10 +36,14 @@ from .model import DecodeStats, DFlashModel, Step
 from .plan import PLAIN, Plan, fixed_plan
 from .prompt_cache import PromptCache
 from .request import Context, Request
+from .fused_ops import fusing
 from .sampling import SamplingParams, accept, choose
 from .target import BatchTargetCache, TargetCache
 
-PREFILL_STEP = 512
+PREFILL_STEP = 512  # prompt tokens a step prefills (the decoding rows wait for them once a step)
+# On a CPU, MLX's attention computes every score of a pass's queries against its own keys, the
+# masked half too, with a scalar exp: two passes of 256 cost less than one of 512 (docs/serving.md)
+CPU_PREFILL_PASS = 256
 SHARED_MIN = 64  # a prefix shared with a prompt being prefilled worth waiting for (keeping its state costs a copy)
 
 
@@ -101,6 +105,11 @@ def draft_rows(
         params,
         [None if noise is None else noise[:-1] for noise in noises],
     )
+
+
+def prefill_pass() -> int:
+    """Prompt tokens a prefill pass takes (all filling rows together)."""
+    return min(CPU_PREFILL_PASS, PREFILL_STEP) if fusing() else PREFILL_STEP
 
 
 def shared_length(a: list[int], b: list[int], block: int = 256) -> int:
@@ -230,9 +239,13 @@ class Decoder:
     # ------------------------------------------------------------ joining
 
     def _join(self, steps: dict) -> None:
+        """Waiting requests admitted, then PREFILL_STEP tokens of the filling prompts, in passes
+        of `prefill_pass()` tokens, until a pass ends a prompt (its first token goes out now)."""
         self._admit()
-        if self.filling:
-            self._fill(steps)
+        size = prefill_pass()
+        for _ in range(PREFILL_STEP // size):
+            if not self.filling or self._fill(steps, size):
+                break
 
     def _admit(self) -> None:
         """Waiting requests start their prefill (first come, first served: a long request waits
@@ -298,16 +311,16 @@ class Decoder:
         )
         return (len(others) + 1) * longest <= self.max_batch_tokens
 
-    def _fill(self, steps: dict) -> None:
+    def _fill(self, steps: dict, size: int) -> bool:
         """The next chunk of every filling row's prompt, in one target pass (right-padded to the
-        longest chunk, PREFILL_STEP tokens in all, so the decoding rows wait for one chunk's pass
-        only); the rows whose prompt is in have their first token chosen from its logits (their
-        Step goes into `steps`) and join the decoding rows."""
+        longest chunk, `size` tokens in all); the rows whose prompt is in have their first token
+        chosen from its logits (their Step goes into `steps`) and join the decoding rows.
+        Whether any did."""
         rows, tic = self.filling, self.clock()
         # where caches can be cut back, a row's state is kept once it has passed what a waiting
         # request waits for (where they cannot, the snapshots along the prefill serve it)
         awaited = [] if self.snapshot_every else [a for w in self.waiting[: self.max_batch] if (a := self._awaited(w))]
-        span = max(PREFILL_STEP // len(rows), 1)
+        span = max(size // len(rows), 1)
         chunks = [row.unfilled[: self._chunk_length(row, span)] for row in rows]
         lengths = [len(chunk) for chunk in chunks]
         tokens = mx.array([chunk + [0] * (max(lengths) - len(chunk)) for chunk in chunks])
@@ -348,6 +361,7 @@ class Decoder:
             joining = self._joined(None, [self.fill_cache.extract(i) for i in done])
             self.filling, self.fill_cache = self._without(rows, self.fill_cache, {rows[i].uid for i in done})
             self._enter([rows[i] for i in done], joining)
+        return bool(done)
 
     def _chunk_length(self, row: Request, span: int) -> int:
         """`span` tokens, or fewer to end at the next snapshot along the prompt (the last

@@ -11,6 +11,7 @@ from dflash_mlx import engine
 from dflash_mlx.costs import CostModel, StepTimes, context_class
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
 from dflash_mlx.engine import Decoder
+from dflash_mlx.fused_ops import fusing
 from dflash_mlx.plan import Plan, Planner
 from dflash_mlx.request import Context, Request
 from dflash_mlx.drafters.dflash import ContextRows
@@ -220,6 +221,35 @@ def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypat
     assert sizes[:4] == [0, 3, 0, 5]  # a step that ends prompts sends their first tokens at once
     for uid, prompt, reference in zip(uids, prompts, references):
         assert out[uid] == reference[len(prompt) : len(prompt) + 12], (model_type, len(prompt))
+
+
+def test_a_step_prefills_in_passes_of_the_pass_size_until_a_prompt_ends(monkeypatch):
+    """On a CPU a step prefills PREFILL_STEP tokens in passes of CPU_PREFILL_PASS (attention
+    there computes a pass's masked scores too); the pass that ends a prompt ends the step, so its
+    first token goes out at once.  Outputs exact."""
+    monkeypatch.setattr(engine, "PREFILL_STEP", 40)
+    monkeypatch.setattr(engine, "CPU_PREFILL_PASS", 16)
+    assert engine.prefill_pass() == (16 if fusing() else 40)
+    target = tiny_target("llama", seed=2)
+    prompts = [[(7 * i) % 90 + 1 for i in range(60)], [(3 * i) % 90 + 1 for i in range(20)]]
+    oracle, references = oracle_for(target, prompts, 8)
+    recording = Recording(target)
+    decoder = Decoder(DFlashModel(recording, oracle))
+    uids = [decoder.add(Request(list(p), 8, SamplingParams())) for p in prompts]
+    out, firsts = {}, []
+    while decoder.busy:
+        passes = len(recording.prefills)
+        step = decoder.step()
+        firsts += [(len(recording.prefills) - passes, uid) for uid in step.steps if uid not in out]
+        for uid, s in step.steps.items():
+            out.setdefault(uid, []).extend(s.tokens)
+    if fusing():
+        # 8 + 8 a pass: the 20-token prompt ends in step 2's first pass (4 + 8), and that step ends;
+        # then the 60-token one alone, 16 a pass (36 left)
+        assert recording.prefills == [(2, 8), (2, 8), (2, 8), (1, 16), (1, 16), (1, 4)]
+        assert firsts == [(1, uids[1]), (1, uids[0])]
+    for uid, prompt, reference in zip(uids, prompts, references):
+        assert out[uid] == reference[len(prompt) : len(prompt) + 8]
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
+from dflash_mlx import engine
 from dflash_mlx.engine import SHARED_MIN, Decoder, decode, shared_length
 from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.prompt_cache import PromptCache, default_bytes
@@ -105,11 +106,13 @@ def test_shared_length_counts_the_common_beginning():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
-def test_requests_arriving_together_on_one_long_prefix_prefill_it_once(model_type):
+def test_requests_arriving_together_on_one_long_prefix_prefill_it_once(model_type, monkeypatch):
     """Parallel agent sessions on one system prompt: the second and third wait for the first's
     prefill to pass what they share and restore it (up to the last snapshot inside it where
     states cannot be cut back); a prefix shorter than SHARED_MIN is not waited for.  Every
-    answer is the cold one."""
+    answer is the cold one.  (One prefill pass a step, as on a GPU: where the waits end
+    depends on it.)"""
+    monkeypatch.setattr(engine, "CPU_PREFILL_PASS", engine.PREFILL_STEP)
     target = tiny_target(model_type, seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
     system = list(range(100, 100 + 2 * SHARED_MIN + 10))
