@@ -62,6 +62,8 @@ def main(
         engine.CPU_PREFILL_PASS = int(variant.split()[1])
         yield from engine.decode(model, mx.array(prompt), SamplingParams(), 1)
 
+    for variant in variants:  # warm-up: first calls trace and allocate
+        first_token_seconds(lambda: run(variant, long_prompt(tokenizer, 64)))
     for length in [int(n) for n in lengths.split(",")]:
         prompt = long_prompt(tokenizer, length)
         times = {variant: [] for variant in variants}

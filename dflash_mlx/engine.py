@@ -42,8 +42,8 @@ from .target import BatchTargetCache, TargetCache
 
 PREFILL_STEP = 512  # prompt tokens a step prefills (the decoding rows wait for them once a step)
 # On a CPU, MLX's attention computes every score of a pass's queries against its own keys, the
-# masked half too, with a scalar exp: two passes of 256 cost less than one of 512 (docs/serving.md)
-CPU_PREFILL_PASS = 256
+# masked half too, with a scalar exp: four passes of 128 cost less than one of 512 (docs/serving.md)
+CPU_PREFILL_PASS = 128
 SHARED_MIN = 64  # a prefix shared with a prompt being prefilled worth waiting for (keeping its state costs a copy)
 
 
