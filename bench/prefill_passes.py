@@ -54,22 +54,23 @@ def main(
         "|---" * (len(variants) + 1) + "|",
     ]
 
-    def run(variant: str, prompt: list[int]):
+    def seconds(variant: str, prompt: list[int]) -> float:
         if variant == "mlx-lm":
-            with unfused(model.target.model):
-                yield from mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=1)
-            return
+            with unfused(model.target.model):  # re-laid out before the clock starts
+                return first_token_seconds(
+                    lambda: mlx_stream_generate(model.target.model, tokenizer, prompt, max_tokens=1)
+                )
         engine.CPU_PREFILL_PASS = int(variant.split()[1])
-        yield from engine.decode(model, mx.array(prompt), SamplingParams(), 1)
+        return first_token_seconds(lambda: engine.decode(model, mx.array(prompt), SamplingParams(), 1))
 
     for variant in variants:  # warm-up: first calls trace and allocate
-        first_token_seconds(lambda: run(variant, long_prompt(tokenizer, 64)))
+        seconds(variant, long_prompt(tokenizer, 64))
     for length in [int(n) for n in lengths.split(",")]:
         prompt = long_prompt(tokenizer, length)
         times = {variant: [] for variant in variants}
         for rep in range(reps):
             for variant in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
-                times[variant].append(first_token_seconds(lambda: run(variant, prompt)))
+                times[variant].append(seconds(variant, prompt))
                 print(f"{len(prompt)} {variant}: {times[variant][-1]:.2f} s", file=sys.stderr, flush=True)
         cells = [f"{statistics.median(times[variant]):.2f} s" for variant in variants]
         lines.append(f"| {len(prompt)} | " + " | ".join(cells) + " |")
