@@ -1,9 +1,9 @@
 """The DFlash decode loop: one step for one request or many.
 
-    join     waiting prompts are prefilled together, one chunk each per step in one target
-             pass (from the longest prefix the prompt cache holds; one that begins as a
-             prompt being prefilled waits to restore what they share); the pass that ends a
-             prompt chooses its first token, and the row joins the decoding rows
+    join     waiting prompts are prefilled together, a chunk each per target pass, a few
+             passes a step (from the longest prefix the prompt cache holds; one that begins
+             as a prompt being prefilled waits to restore what they share); the pass that
+             ends a prompt chooses its first token, and the row joins the decoding rows
     plan     each row's proposal and the step's verify width (plan.py)
     propose  per row: the drafter ([last token, MASK x (w-1)], one pass for the rows drafting
              at one width), tokens copied by the prompt lookup or from earlier answers, or
@@ -31,12 +31,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream, wired_limit
 
+from .fused_ops import fusing
 from .grammar import Grammar, masked
 from .model import DecodeStats, DFlashModel, Step
 from .plan import PLAIN, Plan, fixed_plan
 from .prompt_cache import PromptCache
 from .request import Context, Request
-from .fused_ops import fusing
 from .sampling import SamplingParams, accept, choose
 from .target import BatchTargetCache, TargetCache
 
