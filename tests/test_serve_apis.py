@@ -338,6 +338,28 @@ def test_responses_function_tool_round_trip(live, scripted):
     assert "sunny, 21C" in prompts[1]
 
 
+def test_a_responses_answer_with_text_and_a_call_is_followed_up_as_it_comes_back(live, scripted, monkeypatch):
+    """The next turn prefilled after a Responses answer is rendered from its output items as the
+    client sends them back as input (a message item, then a function call: two assistant turns
+    here), so the next request's prompt begins with it."""
+    replies, prompts = scripted
+    replies += [["Let me look.", CALL], ["Sunny."]]
+    followed = []
+    monkeypatch.setattr(live.server, "prefill_next_turn", lambda *rendering: followed.append(rendering))
+    tools = [
+        {"type": "function", "name": "weather", "description": "Current weather", "parameters": WEATHER["input_schema"]}
+    ]
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    first = live.openai.responses.create(model="tiny", input=question, tools=tools)
+    assert [item.type for item in first.output] == ["message", "function_call"]
+    call = first.output[1]
+    follow = question + [item.model_dump(exclude_none=True) for item in first.output]
+    follow.append({"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"})
+    live.openai.responses.create(model="tiny", input=follow, tools=tools)
+    rendered = live.tokenizer.decode(next_turn_tokens(live.tokenizer, *followed[0]))
+    assert prompts[1].startswith(rendered) and "Let me look." in rendered and '"city": "Paris"' in rendered
+
+
 # ---------------------------------------------------------------- OpenAI chat: the tool loop and more
 
 
