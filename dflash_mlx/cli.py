@@ -316,6 +316,7 @@ def serve(
         prompt_cache_disk_bytes=prompt_cache_disk_bytes,
         access=dict(bind_host=host, allow_hosts=tuple(allow_host), cors_origins=tuple(cors_origin), api_key=api_key),
         next_turn_prefill=not no_next_turn_prefill,
+        warm_up=distributed is None,  # not tried across pipeline ranks
     )
     if api_key is None and not is_loopback(host_name(host)):
         typer.secho(

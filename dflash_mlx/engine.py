@@ -24,7 +24,7 @@ the same noise per (seed, position) (sampling.py), whatever the widths and the b
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -566,4 +566,22 @@ def decode_alone(
                 yield step
     finally:
         decoder.remove(uid)  # closed early (EOS, a stop string): its state is kept all the same
+        decoder.close()
+
+
+def warm_up(model: DFlashModel, max_batch: int = 1) -> None:
+    """A short request decoded and dropped, drafting and then plain, on a decoder of the
+    server's shape (no prompt cache; no answers, acceptance or step times kept), so that a fresh
+    server's first request does not pay for the first calls (kernels built, buffers allocated)."""
+    quiet = replace(model, planner=None, suffixes=None)
+    decoder = Decoder(quiet, max_batch=max_batch)
+    prompt = [i % model.target.vocab_size for i in range(prefill_pass() + 16)]
+    widest = model.draft.block_size if model.draft is not None else 1
+    try:
+        # a verify of the drafter's whole block (plain without one), then plain steps
+        for block, tokens in ((None, 1 + widest), (1, 3)):
+            decoder.add(Request(prompt, tokens, SamplingParams(), block_size=block))
+            while decoder.busy:
+                decoder.step()
+    finally:
         decoder.close()

@@ -2,6 +2,7 @@
 
 import json
 import re
+from collections import Counter
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ from dflash_mlx import generate, load  # noqa: E402
 from dflash_mlx.api import format_prompt  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background  # noqa: E402
 from dflash_mlx.prompt_cache import machine_memory  # noqa: E402
+from tiny_models import Recording  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live servers
 
@@ -263,6 +265,30 @@ def test_a_follow_up_turn_reuses_the_prefix_and_stays_exact(served):
     text = tokenizer.apply_chat_template(follow, tokenize=False, add_generation_prompt=True)
     offline = generate(model, tokenizer, tokenizer.encode(text, add_special_tokens=False), max_tokens=8)
     assert second.choices[0].message.content == offline
+
+
+def test_a_warm_up_runs_the_model_and_keeps_nothing(tiny_dirs):
+    """`warm_up` sends a throw-away request through the model on the engine thread before the
+    first job: the drafter's block and a plain step are verified, and nothing of it is kept (no
+    prompt-cache entry, no answer to copy from, nothing the planner learns); the first request
+    then answers as offline generation does."""
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir))
+    recording = Recording(model.target)
+    model.target = recording
+    server = make_app(model, tokenizer, MODEL, warm_up=True)
+    assert server.worker.warmed.wait(60)
+    verifies = list((Counter(recording.passes) - Counter(recording.prefills)).elements())
+    assert (1, model.draft.block_size) in verifies and (1, 1) in verifies
+    assert server.prompt_cache.nbytes == 0 and len(model.suffixes.tokens) == 0
+    assert model.planner.steps == 0 and not model.planner.long_run
+    http, port = serve_in_background(server)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(model=MODEL, prompt="the cat", max_tokens=8)
+        assert reply.choices[0].text == generate(model, tokenizer, "the cat", max_tokens=8)
+    finally:
+        http.should_exit = True
 
 
 def test_a_restarted_server_answers_an_old_session_from_its_cache_folder(tiny_dirs, tmp_path):

@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..engine import BatchStep, Decoder, decode_alone
+from ..engine import BatchStep, Decoder, decode_alone, warm_up
 from ..grammar import Grammar
 from ..io.progress import add_task, progress
 from ..model import DFlashModel, Step
@@ -327,6 +327,11 @@ class BatchGenerator:
     def close(self) -> None:
         """Done with it: the wired memory limit as it was (engine.Decoder.close)."""
         self.decoder.close()
+
+    def warm_up(self) -> None:
+        """A throw-away request through the model, so that the first real one does not pay for
+        first calls (engine.warm_up); nothing of it is kept."""
+        warm_up(self.model, self.decoder.max_batch)
 
     def next(self) -> list[tuple[int, GenerationResponse]]:
         """One batch step: (uid, response) of every request that committed tokens."""

@@ -52,9 +52,11 @@ class Server:
         prompt_cache_disk_bytes: int = 8 << 30,
         access: Optional[dict] = None,
         next_turn_prefill: bool = False,
+        warm_up: bool = False,
     ):
         """`access`: Guard's options (bind_host, allow_hosts, cors_origins, api_key);
-        `next_turn_prefill`: see prefill_next_turn."""
+        `next_turn_prefill`: see prefill_next_turn; `warm_up`: a throw-away request through the
+        model before the first job (Worker)."""
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.prompt_cache = None
         if prompt_cache_bytes is None:  # sized for the machine and the model
@@ -80,6 +82,7 @@ class Server:
             self.prompt_cache,
             self.metrics.batch_step,
             self.max_batch_tokens,
+            warm_up,
         )
         self.context = context
         self.draining = False  # stopping: new requests get 503
@@ -266,13 +269,15 @@ def make_app(
     prompt_cache_disk_bytes: int = 8 << 30,
     access: Optional[dict] = None,
     next_turn_prefill: bool = False,
+    warm_up: bool = False,
 ) -> Server:
     """The server; with max_batch > 1, requests are decoded in batches when the target allows
     (else `Server.batch_refusal` says why not; the caller tells the user).  With
     `prompt_cache_dir`, reusable prefixes are kept in that folder across restarts; `access` says
     who may call it (guard.Guard: bind_host, allow_hosts, cors_origins, api_key); with
     `next_turn_prefill`, each chat's next turn is prefilled while the server is idle
-    (Server.prefill_next_turn)."""
+    (Server.prefill_next_turn); with `warm_up`, a throw-away request runs through the model
+    before the first one (a fresh server's first request then pays no first-call set-up)."""
     from ..api import context_limit
 
     return Server(
@@ -288,6 +293,7 @@ def make_app(
         prompt_cache_disk_bytes,
         access,
         next_turn_prefill,
+        warm_up,
     )
 
 
@@ -318,6 +324,7 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080, drain_seconds
 
             threading.Thread(target=drain_then_exit, name="dflash-drain", daemon=True).start()
 
+    server.worker.warmed.wait()  # the port opens once the model is warm: no first request waits behind it
     Draining(uvicorn.Config(server.app, host=host, port=port, log_level="warning")).run()
 
 

@@ -63,6 +63,7 @@ class Worker:
         prompt_cache=None,
         on_step=None,
         max_batch_tokens: Optional[int] = None,
+        warm_up: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.on_step = max_batch, on_step
@@ -83,6 +84,8 @@ class Worker:
         self.held: list[Job] = []  # jobs continuing the idle prefill's conversation: they wait for it
         self._admitted: deque = deque(maxlen=4 * max_batch)  # recent prompts: an idle prefill they extend is stale
         self._idle_lock = threading.Lock()  # idle_prompts and _admitted: the HTTP side adds, the engine takes
+        self.warm_up = warm_up  # a throw-away request first (jobs wait for it), on the engine thread
+        self.warmed = threading.Event()
         self._thread = threading.Thread(target=self._thread_main, name="dflash-engine", daemon=True)
         self._thread.start()
 
@@ -144,6 +147,9 @@ class Worker:
 
     def _thread_main(self) -> None:
         try:
+            if self.warm_up:
+                self.batch.warm_up()
+            self.warmed.set()
             self._run()
         finally:
             with self._closing:  # no job is left waiting for an engine that has gone
