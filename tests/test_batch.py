@@ -207,20 +207,16 @@ def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypat
     monkeypatch.setattr(engine, "PREFILL_STEP", 40)
     target = tiny_target(model_type, seed=2, **overrides)
     prompts = PROMPTS + [[77], [(7 * i) % 90 + 1 for i in range(40)]]  # 8, 3, 30, 1 and 40 tokens
-    oracle, references = oracle_for(target, prompts, 12)
-    recording = Recording(target)
-    decoder = Decoder(DFlashModel(recording, oracle))
-    uids = [decoder.add(Request(list(p), 12, SamplingParams())) for p in prompts]
-    out, sizes = {}, []
-    while decoder.busy:
-        step = decoder.step()
-        sizes.append(step.size)
-        for uid, s in step.steps.items():
-            out.setdefault(uid, []).extend(s.tokens)
+    recording, steps, outputs, references = run_recorded(target, prompts, 12)
     assert recording.prefills == [(5, 8), (2, 20), (2, 12)]  # 5 rows x 8, the 30 and 40 ones x 20, then 2 and 12
-    assert sizes[:4] == [0, 3, 0, 5]  # a step that ends prompts sends their first tokens at once
-    for uid, prompt, reference in zip(uids, prompts, references):
-        assert out[uid] == reference[len(prompt) : len(prompt) + 12], (model_type, len(prompt))
+    assert [step.size for step, _ in steps[:4]] == [
+        0,
+        3,
+        0,
+        5,
+    ]  # a step that ends prompts sends their first tokens at once
+    for output, prompt, reference in zip(outputs, prompts, references):
+        assert output == reference[len(prompt) : len(prompt) + 12], (model_type, len(prompt))
 
 
 def test_a_step_prefills_in_passes_of_the_pass_size_until_a_prompt_ends(monkeypatch):
@@ -230,26 +226,33 @@ def test_a_step_prefills_in_passes_of_the_pass_size_until_a_prompt_ends(monkeypa
     monkeypatch.setattr(engine, "PREFILL_STEP", 40)
     monkeypatch.setattr(engine, "CPU_PREFILL_PASS", 16)
     assert engine.prefill_pass() == (16 if fusing() else 40)
-    target = tiny_target("llama", seed=2)
     prompts = [[(7 * i) % 90 + 1 for i in range(60)], [(3 * i) % 90 + 1 for i in range(20)]]
-    oracle, references = oracle_for(target, prompts, 8)
-    recording = Recording(target)
-    decoder = Decoder(DFlashModel(recording, oracle))
-    uids = [decoder.add(Request(list(p), 8, SamplingParams())) for p in prompts]
-    out, firsts = {}, []
-    while decoder.busy:
-        passes = len(recording.prefills)
-        step = decoder.step()
-        firsts += [(len(recording.prefills) - passes, uid) for uid in step.steps if uid not in out]
-        for uid, s in step.steps.items():
-            out.setdefault(uid, []).extend(s.tokens)
+    recording, steps, outputs, references = run_recorded(tiny_target("llama", seed=2), prompts, 8)
     if fusing():
         # 8 + 8 a pass: the 20-token prompt ends in step 2's first pass (4 + 8), and that step ends;
         # then the 60-token one alone, 16 a pass (36 left)
         assert recording.prefills == [(2, 8), (2, 8), (2, 8), (1, 16), (1, 16), (1, 4)]
-        assert firsts == [(1, uids[1]), (1, uids[0])]
-    for uid, prompt, reference in zip(uids, prompts, references):
-        assert out[uid] == reference[len(prompt) : len(prompt) + 8]
+        firsts = [(passes, uid) for step, passes in steps for uid in step.steps if step.size == 0]
+        assert firsts == [(1, 1), (1, 0)]  # (prefill passes in the step that sent it, request)
+    for output, prompt, reference in zip(outputs, prompts, references):
+        assert output == reference[len(prompt) : len(prompt) + 8]
+
+
+def run_recorded(target, prompts: list, max_tokens: int):
+    """`prompts` decoded together on `target`, its passes recorded: the recording, each step with
+    the prefill passes it ran, each prompt's output and the oracle's references."""
+    oracle, references = oracle_for(target, prompts, max_tokens)
+    recording = Recording(target)
+    decoder = Decoder(DFlashModel(recording, oracle))
+    uids = [decoder.add(Request(list(p), max_tokens, SamplingParams())) for p in prompts]
+    out, steps = {}, []
+    while decoder.busy:
+        passes = len(recording.prefills)
+        step = decoder.step()
+        steps.append((step, len(recording.prefills) - passes))
+        for uid, s in step.steps.items():
+            out.setdefault(uid, []).extend(s.tokens)
+    return recording, steps, [out[uid] for uid in uids], references
 
 
 @pytest.mark.parametrize(
