@@ -14,8 +14,8 @@ openai = pytest.importorskip("openai", reason="the dev extra installs the openai
 uvicorn = pytest.importorskip("uvicorn", reason="the dev extra installs uvicorn")
 
 from dflash_mlx import generate, load  # noqa: E402
-from dflash_mlx.api import format_prompt  # noqa: E402
-from dflash_mlx.serve import make_app, serve_in_background  # noqa: E402
+from dflash_mlx.api import BatchGenerator, format_prompt  # noqa: E402
+from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
 from dflash_mlx.prompt_cache import machine_memory  # noqa: E402
 from tiny_models import Recording  # noqa: E402
 
@@ -40,6 +40,7 @@ def served(tiny_dirs):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     yield client, model, tokenizer, port, server
     http.should_exit = True
+    server.worker.stop()  # an engine thread left running at exit aborts the process (MLX streams)
 
 
 def wait_healthy(port: int, attempts: int = 600) -> None:
@@ -289,6 +290,26 @@ def test_a_warm_up_runs_the_model_and_keeps_nothing(tiny_dirs):
         assert reply.choices[0].text == generate(model, tokenizer, "the cat", max_tokens=8)
     finally:
         http.should_exit = True
+        server.worker.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the failure, shown
+def test_a_failed_warm_up_leaves_no_one_waiting(tiny_dirs, monkeypatch):
+    """A warm-up that raises ends the engine thread (its traceback shown) and still releases the
+    wait before the port opens: requests are then refused, never left hanging."""
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir))
+
+    def broken(self):
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(BatchGenerator, "warm_up", broken)
+    server = make_app(model, tokenizer, MODEL, warm_up=True)
+    assert server.worker.warmed.wait(30)
+    server.worker._thread.join(30)
+    assert not server.worker.alive
+    with pytest.raises(worker.Draining):
+        server.worker.submit(worker.Job([1, 2], 2, {}))
 
 
 def test_a_restarted_server_answers_an_old_session_from_its_cache_folder(tiny_dirs, tmp_path):

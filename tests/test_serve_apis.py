@@ -45,6 +45,7 @@ def live(tiny_dirs):
         anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0),
     )
     http.should_exit = True
+    server.worker.stop()  # an engine thread left running at exit aborts the process (MLX streams)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -152,6 +152,7 @@ class Worker:
             self.warmed.set()
             self._run()
         finally:
+            self.warmed.set()  # a failed warm-up: no one waits for ever (the engine has gone, jobs are refused)
             with self._closing:  # no job is left waiting for an engine that has gone
                 self._closed = True
                 self._refuse_waiting()
