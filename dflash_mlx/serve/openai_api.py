@@ -538,11 +538,13 @@ class _Response:
         self.text, self.logprobs, self.calls, self.last = "", [], [], None
         self.sequence = 0
 
+    def output(self) -> list[dict]:
+        """The completed output items: the message (unless the answer is only tool calls), then the calls."""
+        message = [self._message_item("completed")] if self.text or not self.calls else []
+        return message + [self._call_item(call, "completed") for call in self.calls]
+
     def snapshot(self, status: Optional[str] = None) -> dict:
-        output = []
-        if self.text or not self.calls:
-            output.append(self._message_item("completed"))
-        output += [self._call_item(call, "completed") for call in self.calls]
+        output = self.output()
         last = self.last
         incomplete = last is not None and last.finish_reason == "length"
         usage = None
@@ -623,7 +625,7 @@ class _Response:
         """Once the response is complete: the conversation with its output items, as the client
         sends them back as input, prefilled while it acts on them (Server.prefill_next_turn)."""
         if self.last is not None and self.last.finish_reason:
-            answer = input_messages(self.snapshot()["output"])
+            answer = input_messages(self.output())
             self.api.server.prefill_next_turn(self.messages + answer, self.tools)
 
     async def run(self, job, first):
