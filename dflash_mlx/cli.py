@@ -355,7 +355,7 @@ def make_data(
     prompts: str = typer.Option(
         "builtin",
         "--prompts",
-        help="'builtin' or 'edits' (whole functions rewritten with one change; :SEED for another draw), a .txt (one per line) or .jsonl ({\"prompt\": ...}) file.",
+        help="'builtin', 'edits' (whole functions rewritten with one change) or 'revisions' (prose paragraphs revised; :SEED for another draw), a .txt (one per line) or .jsonl ({\"prompt\": ...}) file.",
     ),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Longest response per prompt."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Stop after about this many response tokens."),

@@ -1,11 +1,12 @@
 """The builtin training prompts are disjoint from every benchmark set."""
 
 import re
+from pathlib import Path
 
 import pytest
 
 from dflash_mlx.bench.prompt_sets import BOXED, SETS, load_prompts, mixed_prompts
-from dflash_mlx.train.prompts import builtin_prompts, edit_prompts, read_prompts
+from dflash_mlx.train.prompts import REVISIONS, builtin_prompts, edit_prompts, read_prompts, revision_prompts
 
 SHINGLE = 8  # words
 
@@ -40,6 +41,20 @@ def test_edit_prompts_ask_one_change_of_a_whole_function_and_share_no_span_with_
     assert not any("type hints" in edit or "_value" in edit for edit in EDITS)  # nor its tasks
     with pytest.raises(ValueError, match="edits:1"):
         read_prompts("edits:x")
+
+
+def test_revision_prompts_ask_one_change_of_a_paragraph_and_share_no_span_with_benchmarks():
+    revisions = read_prompts("revisions")
+    assert revisions == revision_prompts(0) and len(revisions) > 300 and len(set(revisions)) == len(revisions)
+    assert len(set(read_prompts("revisions:1")) - set(revisions)) > 250
+    bench = set().union(*(shingles(p) for name in SETS for p in load_prompts(name)))
+    overlapping = [p for p in revisions if shingles(p) & bench]
+    assert not overlapping, overlapping[:3]
+    sessions = (Path(__file__).parent.parent / "bench" / "agent_session.py").read_text()  # our own bench's
+    assert not any(ask.split("'")[0] in sessions for ask in REVISIONS)
+    assert not any(shingles(sessions) & shingles(p) for p in revisions)
+    with pytest.raises(ValueError, match="revisions:1"):
+        read_prompts("revisions:x")
 
 
 def test_builtin_seeds_draw_new_prompts():

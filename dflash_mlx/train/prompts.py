@@ -10,12 +10,16 @@ fixed families repeat and are skipped by `make-data` as already done).
 
 `edits` (or `edits:N`): what agents ask most, a whole function read back and rewritten
 with one small change, on the pure-Python functions of the standard library.
+`revisions` (or `revisions:N`): a paragraph of prose handed back with one small change
+asked, on the prose of the Python docs and the standard library's module docstrings.
 """
 
+import ast
 import importlib
 import inspect
 import json
 import random
+import re
 import textwrap
 from pathlib import Path
 
@@ -413,6 +417,80 @@ def edit_prompts(seed: int = 0) -> list[str]:
     return prompts
 
 
+# none of them is an ask of bench/agent_session.py's writing sessions (measured there, never trained on)
+REVISIONS = [
+    "Make the tone more formal",
+    "Make it friendlier for someone new to programming",
+    "Shorten the longest sentence",
+    "Turn the first sentence into a question",
+    "Use the active voice wherever you can",
+    "Replace the word '{word}' with a synonym",
+    "Add a short example sentence after the first sentence",
+    "Fix the punctuation and keep the wording",
+    "Start with a sentence that says what the paragraph is about",
+    "Remove the last sentence",
+]
+REVISION_FRAMES = [
+    "Here is a paragraph I wrote:\n\n{text}\n\n{ask}. Return the whole paragraph.",
+    "{ask} in this text, and give me the full revised version:\n\n{text}",
+    "Please edit my draft. {ask}. Keep everything else as it is.\n\n{text}",
+]
+
+
+def _prose_paragraphs(text: str) -> list[str]:
+    """The paragraphs of `text` that are plain prose (no code, no markup lines) of 40-120 words,
+    each on one line."""
+    found = []
+    for paragraph in text.split("\n\n"):
+        lines = textwrap.dedent(paragraph).strip("\n").split("\n")
+        joined = " ".join(line.strip() for line in lines)
+        if (
+            any(line.startswith(" ") for line in lines)
+            or ">>>" in joined
+            or "::" in joined
+            or not joined[:1].isupper()
+            or not joined.endswith(".")
+        ):
+            continue
+        if 40 <= len(joined.split()) <= 120:
+            found.append(joined)
+    return found
+
+
+def _revision_texts() -> list[str]:
+    """Prose paragraphs of the Python docs' topics and the standard library's module docstrings
+    (not of the copy-heavy set's modules) that share no 8-word span with a benchmark prompt, each
+    once, in a fixed order."""
+    import pydoc_data.topics
+
+    from ..bench.prompt_sets import COPY_MODULES, DOC_MODULES
+    from .corpus import benchmark_shingles, shingles, stdlib_files
+
+    texts = [p for topic in pydoc_data.topics.topics.values() for p in _prose_paragraphs(topic)]
+    for path in stdlib_files():
+        if path.stem in COPY_MODULES + DOC_MODULES:
+            continue
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        texts += _prose_paragraphs(doc or "")
+    banned = benchmark_shingles()
+    return [text for text in dict.fromkeys(texts) if not shingles(text) & banned]
+
+
+def revision_prompts(seed: int = 0) -> list[str]:
+    """Each prose paragraph with one small change asked of it (`seed` draws the change and the wording)."""
+    rng = random.Random(seed)
+    prompts = []
+    for text in _revision_texts():
+        words = re.findall(r"[a-z]{6,}", text)
+        ask = rng.choice(REVISIONS).format(word=rng.choice(words) if words else "which")
+        prompts.append(rng.choice(REVISION_FRAMES).format(text=text, ask=ask))
+    rng.shuffle(prompts)
+    return prompts
+
+
 def builtin_prompts(seed: int = 0) -> list[str]:
     """A deterministic, shuffled list of several hundred diverse prompts."""
     rng = random.Random(seed)
@@ -435,17 +513,22 @@ def builtin_prompts(seed: int = 0) -> list[str]:
     return prompts
 
 
+GENERATED = {"builtin": builtin_prompts, "edits": edit_prompts, "revisions": revision_prompts}
+
+
 def read_prompts(source: str) -> list[str]:
-    """'builtin' or 'edits' (or 'builtin:SEED', 'edits:SEED'), a .txt file (one prompt per line)
-    or .jsonl ({"prompt": ...} per line)."""
+    """'builtin', 'edits' or 'revisions' (or 'builtin:SEED', ...), a .txt file (one prompt per
+    line) or .jsonl ({"prompt": ...} per line)."""
     kind, _, seed = source.partition(":")
-    if kind in ("builtin", "edits"):
+    if kind in GENERATED:
         if seed and not seed.isdigit():
             raise ValueError(f"{source!r}: the {kind} seed must be a number, as in {kind}:1")
-        return (builtin_prompts if kind == "builtin" else edit_prompts)(int(seed or 0))
+        return GENERATED[kind](int(seed or 0))
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"no prompts file at {source}; pass a .txt/.jsonl file, 'builtin' or 'edits'")
+        raise FileNotFoundError(
+            f"no prompts file at {source}; pass a .txt/.jsonl file, 'builtin', 'edits' or 'revisions'"
+        )
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     if path.suffix == ".jsonl":
         try:
