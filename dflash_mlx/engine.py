@@ -49,11 +49,13 @@ SHARED_MIN = 64  # a prefix shared with a prompt being prefilled worth waiting f
 
 @dataclass
 class BatchStep:
-    """What one step did: the batch size and verify width, and each row's committed tokens."""
+    """What one step did: the batch size and verify width (the widest of its passes), each row's
+    committed tokens, and its target passes (two when its rows verified apart)."""
 
     size: int
     width: int
     steps: dict  # uid -> Step
+    passes: int = 0
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Pass:
     choices: list[tuple[mx.array, mx.array]]
     logits: mx.array
     features: Optional[mx.array]
+    seconds: float = 0.0  # its own time, when computed apart from the step's other pass
 
     def rows(self, uids: list[int]) -> "Pass":
         """This pass restricted to the rows of `uids` (rows removed since it was queued)."""
@@ -212,16 +215,16 @@ class Decoder:
         once and the rows decode at the next step.  Rows that reach their max_tokens leave by
         themselves.  A queued pass is for the rows as they were: it is taken before anyone joins."""
         with mx.stream(self.stream):
-            steps, size, width = {}, 0, 0
+            steps, size, width, passes = {}, 0, 0, 0
             pipelined = self._queued is not None
             if not pipelined:
                 self._join(steps)
             if self.rows and not steps:
-                size, width = len(self.rows), self._decode(steps)
+                size, (width, passes) = len(self.rows), self._decode(steps)
             if pipelined:
                 self._join(steps)
             self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
-        return BatchStep(size, width, steps)
+        return BatchStep(size, width, steps, passes)
 
     def _keep_answers(self, leaving: list[int]) -> None:
         """The state of each leaving row after its prompt and answer, into the prompt cache.  The
@@ -419,44 +422,94 @@ class Decoder:
 
     # ------------------------------------------------------------ decoding
 
-    def _decode(self, steps: dict) -> int:
-        rows, planner, started = self.rows, self.model.planner, self.clock()
+    def _decode(self, steps: dict) -> tuple[int, int]:
+        """One decode step of the rows: its width and its number of target passes."""
+        planner, started = self.model.planner, self.clock()
         queued, self._queued = self._queued, None
         if queued is not None:
             # queued during the step before, and computed beside it: what it costs is the time
             # between the two steps' tokens (from its own start it looks nearly free, and the
             # planner would then judge every drafting step against a plain step that is not)
-            started, done = self._read_at, queued
+            started, done = self._read_at, [(0, queued)]
         else:
-            plans = (
-                planner.plan(rows, self.model.draft is not None)
-                if planner
-                else [fixed_plan(row.block, row.left) for row in rows]
-            )
-            done = self._pass(rows, plans, [mx.array([row.token], dtype=mx.int32) for row in rows], 0)
-        width = max(plan.width for plan in done.plans)
-        if width == 1:
-            mx.async_eval(done.choices)  # its own task: reading it must not wait for the pass queued next
-            self._queue_next(rows, done)
-        mx.eval([choice for choice in done.choices], done.proposals)
+            done = self._verify(self._passes())
+        width = max(plan.width for _, current in done for plan in current.plans)
+        if width == 1 and len(done) == 1:
+            _, current = done[0]
+            mx.async_eval(current.choices)  # its own task: reading it must not wait for the pass queued next
+            self._queue_next(self.rows, current)
+        mx.eval(
+            [choice for _, current in done for choice in current.choices], [p for _, c in done for p in c.proposals]
+        )
         self._read_at = self.clock()
         keeps = []
-        for i, (row, plan, proposal, (n, next_token)) in enumerate(zip(rows, done.plans, done.proposals, done.choices)):
-            n = n.item()
-            keeps.append(n + 1)
-            row.context.add(None if done.features is None else done.features[i : i + 1, : n + 1])
-            steps[row.uid] = row.record(plan, proposal[:n].tolist() + [next_token.item()], n, done.logits[i, : n + 1])
+        for start, current in done:
+            for i, (plan, proposal, (n, next_token)) in enumerate(
+                zip(current.plans, current.proposals, current.choices)
+            ):
+                row, n = self.rows[start + i], n.item()
+                keeps.append(n + 1)
+                row.context.add(None if current.features is None else current.features[i : i + 1, : n + 1])
+                steps[row.uid] = row.record(
+                    plan, proposal[:n].tolist() + [next_token.item()], n, current.logits[i, : n + 1]
+                )
         if width > 1:
             self.cache.rollback_rows(keeps)
         seconds = self.clock() - started
-        if planner is not None:
-            planner.learn(rows, done.plans, [k - 1 for k in keeps], seconds)
-        for row in rows:
-            row.stats.decode_seconds += seconds
-        return width
+        for start, current in done:
+            rows = self.rows[start : start + len(current.plans)]
+            if planner is not None:
+                # a pass run apart from the others is judged by its own time (and its share of reading them all)
+                share = seconds if len(done) == 1 else current.seconds * seconds / sum(c.seconds for _, c in done)
+                planner.learn(rows, current.plans, [k - 1 for k in keeps[start : start + len(rows)]], share)
+            for row in rows:
+                row.stats.decode_seconds += seconds
+        return width, len(done)
 
-    def _pass(self, rows: list[Request], plans: list[Plan], lasts: list[mx.array], ahead: int) -> Pass:
-        """One target pass verifying each row's proposal after its last token (lazily);
+    def _passes(self) -> list[tuple[int, list[Plan]]]:
+        """The step's target passes, as (first row, plans of its rows): one, or (a planner's
+        choice, on a batch that can run a pass over some rows alone) two, over consecutive rows,
+        the batch's rows reordered first when they are not."""
+        rows, planner = self.rows, self.model.planner
+        if planner is None:
+            return [(0, [fixed_plan(row.block, row.left) for row in rows])]
+        passes = planner.passes(rows, self.model.draft is not None, apart=len(rows) > 1 and self.cache.splittable)
+        passes.sort(key=lambda part: part[0][0])
+        order = [i for indices, _ in passes for i in indices]
+        if order != list(range(len(rows))):
+            self.rows = [rows[i] for i in order]
+            self.cache.keep_rows(order)
+            self._settled(self.cache)  # the copy is not the pass's: it would teach the planner a dear shape
+        starts = [0]
+        for indices, _ in passes[:-1]:
+            starts.append(starts[-1] + len(indices))
+        return [(start, plans) for start, (_, plans) in zip(starts, passes)]
+
+    def _verify(self, passes: list[tuple[int, list[Plan]]]) -> list[tuple[int, Pass]]:
+        """The passes built (lazily when there is one; each computed before the next is built
+        when there are more: a pass writes into the batch's arrays in place only once the one
+        before has read them, and its time is its own)."""
+        if any(plan.width > 1 for _, plans in passes for plan in plans):
+            self.cache.checkpoint()
+        if len(passes) == 1:
+            return [(0, self._pass(self.rows, passes[0][1], self._lasts(self.rows), 0, self.cache))]
+        done = []
+        for start, plans in passes:
+            tic, stop = self.clock(), start + len(plans)
+            current = self._pass(
+                self.rows[start:stop], plans, self._lasts(self.rows[start:stop]), 0, self.cache.rows(start, stop)
+            )
+            mx.eval(current.choices, current.proposals, tree_arrays([c.state for c in self.cache.layers]))
+            current.seconds = self.clock() - tic
+            done.append((start, current))
+        return done
+
+    @staticmethod
+    def _lasts(rows: list[Request]) -> list[mx.array]:
+        return [mx.array([row.token], dtype=mx.int32) for row in rows]
+
+    def _pass(self, rows: list[Request], plans: list[Plan], lasts: list[mx.array], ahead: int, cache) -> Pass:
+        """One target pass on `cache` verifying each row's proposal after its last token (lazily);
         `ahead`: output positions already taken by a pass not yet read."""
         width = max(plan.width for plan in plans)
         noises = [row.noise_at(row.produced + ahead, plan.width) for row, plan in zip(rows, plans)]
@@ -467,9 +520,7 @@ class Decoder:
             )  # never accepted: past the proposal
             for last, proposal, plan in zip(lasts, proposals, plans)
         ]
-        if width > 1:
-            self.cache.checkpoint()
-        logits, features = self.model.target(mx.stack(blocks), self.cache, self.model.feature_layers)
+        logits, features = self.model.target(mx.stack(blocks), cache, self.model.feature_layers)
         choices = [
             accept(
                 proposal,
@@ -516,7 +567,9 @@ class Decoder:
         )
         if any(plan != PLAIN for plan in plans):
             return
-        self._queued = self._pass(rows, plans, [next_token.reshape(1) for _, next_token in current.choices], 1)
+        self._queued = self._pass(
+            rows, plans, [next_token.reshape(1) for _, next_token in current.choices], 1, self.cache
+        )
         mx.async_eval([choice for choice in self._queued.choices])
 
 

@@ -168,6 +168,7 @@ class Planner:
     prior: float = 0.5
     explore_every: int = 64
     first_probe: int = 8
+    apart_gain: float = 1.1  # what two passes must gain over one to be run apart (a cut may reorder the rows)
     long_run_decay: float = 0.999
     long_run: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate over every generation
     steps: int = 0  # steps learnt from
@@ -209,7 +210,11 @@ class Planner:
         if least == 1 and self.steps - self.plain_at.get(len(rows), 0) >= self.explore_every:
             return [PLAIN] * len(rows)  # re-time the plain step: its figure may be old, or one bad step
         matches = [row.matches(min(self.max_width, left) - 1) if row.adaptive else [] for row, left in zip(rows, lefts)]
-        expected = self._expected(rows)
+        best, _ = self._best(rows, lefts, fixed, matches, drafter, self._expected(rows), least)
+        return self._probes(rows, lefts, best, drafter)
+
+    def _best(self, rows, lefts, fixed, matches, drafter: bool, expected, least: int = 1) -> tuple[list[Plan], float]:
+        """The rows' plans at the width that commits most per second, and that figure."""
         best, best_value = fixed, -1.0
         for width in range(least, self.max_width + 1):
             plans = [
@@ -219,7 +224,57 @@ class Planner:
             value = sum(expected(row, plan) for row, plan in zip(rows, plans)) / self.seconds(rows, plans)
             if value > best_value:
                 best, best_value = plans, value
-        return self._probes(rows, lefts, best, drafter)
+        return best, best_value
+
+    def passes(self, rows: list[Row], drafter: bool = True, apart: bool = False) -> list[tuple[list[int], list[Plan]]]:
+        """The next step as target passes: each pass's rows (indices into `rows`) and their plans.
+
+        One pass verifies every row at its widest plan's width.  Where a pass costs what its
+        tokens do (a CPU) and the rows want different widths (one copying long runs, another whose
+        drafts are short), that width is wasted on the narrow rows: with `apart` (the batch can
+        run a pass over some rows alone), the rows ordered by the width each would verify alone
+        are cut in two, each part verified at its own width in a pass of its own, when that is
+        expected to commit `apart_gain` times the tokens per second (a cut may reorder the batch's
+        rows, a copy of their caches).  Where a pass's cost hardly grows with its rows (a GPU),
+        two passes never pay, and are not weighed."""
+        plans = self.plan(rows, drafter)
+        whole = [(list(range(len(rows))), plans)]
+        width = max(plan.width for plan in plans)
+        if not apart or len(rows) < 2 or width == 1 or not all(row.adaptive for row in rows):
+            return whole
+        one_pass, context = self.seconds(rows, plans), span(rows)
+        cheapest = sum(self.step_times.seconds(1, w, self.cost.verify(w), context) for w in (width, 1))
+        if cheapest >= one_pass:  # the cheapest two passes (a row at this width, one plain) cost more
+            return whole
+        lefts = [row.left for row in rows]
+        fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
+        matches = [row.matches(min(self.max_width, left) - 1) for row, left in zip(rows, lefts)]
+        expected = self._expected(rows)
+
+        def best(indices: list[int]) -> tuple[list[Plan], float, float]:
+            """The part's plans, the tokens they are expected to commit and their seconds."""
+            part = [rows[i] for i in indices]
+            plans, _ = self._best(
+                part,
+                [lefts[i] for i in indices],
+                [fixed[i] for i in indices],
+                [matches[i] for i in indices],
+                drafter,
+                expected,
+            )
+            plans = self._probes(part, [lefts[i] for i in indices], plans, drafter)
+            return plans, sum(expected(row, plan) for row, plan in zip(part, plans)), self.seconds(part, plans)
+
+        by_width = sorted(range(len(rows)), key=lambda i: -best([i])[0][0].width)  # each planned alone
+        value = sum(expected(row, plan) for row, plan in zip(rows, plans)) / one_pass
+        chosen = whole
+        for cut in range(1, len(rows)):
+            first, second = sorted(by_width[:cut]), sorted(by_width[cut:])
+            (plans1, tokens1, seconds1), (plans2, tokens2, seconds2) = best(first), best(second)
+            drafting = any(plan.width > 1 for plan in plans1 + plans2)
+            if drafting and (tokens1 + tokens2) / (seconds1 + seconds2) > self.apart_gain * value:
+                chosen, value = [(first, plans1), (second, plans2)], (tokens1 + tokens2) / (seconds1 + seconds2)
+        return chosen
 
     def _expected(self, rows: list[Row]):
         sums = {}  # (row, kind) -> E[committed | width] for every width: summed once per step

@@ -111,19 +111,24 @@ class RaggedBatchKVCache(BatchKVCache):
         self.offset = mx.array(self.ends) - self.left_padding
         self._idx = max(self.ends)
 
-    def update_and_fetch(self, keys, values):
-        n = keys.shape[2]
-        self._reserve(keys, values, self._idx + n)
-        if len(set(self.ends)) == 1:
-            self.keys[..., self._idx : self._idx + n, :] = keys
-            self.values[..., self._idx : self._idx + n, :] = values
+    def update_and_fetch(self, keys, values, rows: slice = slice(None)):
+        """Write a pass's keys and values after each of `rows`' ends (every row by default); those
+        rows' keys and values up to the longest of them."""
+        n, ends = keys.shape[2], self.ends[rows]
+        self._reserve(keys, values, max(ends) + n)
+        if len(set(ends)) == 1:
+            self.keys[rows, :, ends[0] : ends[0] + n] = keys
+            self.values[rows, :, ends[0] : ends[0] + n] = values
         else:  # one scatter for all rows (a write per row is a graph node per row and layer)
-            rows = mx.arange(len(self.ends))[:, None]
-            positions = mx.array(self.ends)[:, None] + mx.arange(n)
-            self.keys[rows, :, positions] = keys.transpose(0, 2, 1, 3)
-            self.values[rows, :, positions] = values.transpose(0, 2, 1, 3)
-        self.end_rows_at([end + n for end in self.ends])
-        return self.keys_and_values()
+            index = mx.arange(len(self.ends))[rows][:, None]
+            positions = mx.array(ends)[:, None] + mx.arange(n)
+            self.keys[index, :, positions] = keys.transpose(0, 2, 1, 3)
+            self.values[index, :, positions] = values.transpose(0, 2, 1, 3)
+        moved = list(self.ends)
+        moved[rows] = [end + n for end in ends]
+        self.end_rows_at(moved)
+        longest = max(ends) + n
+        return self.keys[rows, :, :longest], self.values[rows, :, :longest]
 
     def _reserve(self, keys, values, size: int):
         """Room for `size` tokens a row, grown by mlx-lm's step."""
@@ -131,7 +136,8 @@ class RaggedBatchKVCache(BatchKVCache):
         if size <= held:
             return
         more = (size - held + self.step - 1) // self.step * self.step
-        batch, heads, _, _ = keys.shape
+        batch = len(self.ends)
+        heads = keys.shape[1]
         new_keys = mx.zeros((batch, heads, more, keys.shape[3]), keys.dtype)
         new_values = mx.zeros((batch, heads, more, values.shape[3]), values.dtype)
         if self.keys is None:
@@ -140,11 +146,12 @@ class RaggedBatchKVCache(BatchKVCache):
             self.keys = mx.concatenate([self.keys, new_keys], axis=2)
             self.values = mx.concatenate([self.values, new_values], axis=2)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
-        """Row r's query i (at ends[r] + i) sees its own tokens up to itself."""
-        queries = mx.array(self.ends)[:, None, None, None] + mx.arange(N)[:, None]
-        keys = mx.arange(self._idx + N)
-        mask = (keys <= queries) & (keys >= self.left_padding[:, None, None, None])
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, rows: slice = slice(None), **kwargs):
+        """Row r's query i (at ends[r] + i) sees its own tokens up to itself (of `rows`' alone when given)."""
+        ends = self.ends[rows]
+        queries = mx.array(ends)[:, None, None, None] + mx.arange(N)[:, None]
+        keys = mx.arange(max(ends) + N)
+        mask = (keys <= queries) & (keys >= self.left_padding[rows][:, None, None, None])
         if window_size is not None:
             mask = mask & (keys > queries - window_size)
         return mask
@@ -192,6 +199,25 @@ class RaggedBatchKVCache(BatchKVCache):
             return cls([0] * len(caches))
         batch.ends = [batch._idx] * len(caches)
         return batch
+
+
+class RaggedRows:
+    """Some consecutive rows of a RaggedBatchKVCache, as the cache of a pass over them alone:
+    what the pass writes goes into the batch's arrays, and its attention reads these rows only,
+    up to the longest of them (BatchTargetCache.rows)."""
+
+    def __init__(self, batch: RaggedBatchKVCache, rows: slice):
+        self.batch, self.rows = batch, rows
+
+    @property
+    def offset(self) -> mx.array:
+        return self.batch.offset[self.rows]
+
+    def update_and_fetch(self, keys, values):
+        return self.batch.update_and_fetch(keys, values, self.rows)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        return self.batch.make_mask(N, window_size=window_size, rows=self.rows)
 
 
 class BatchTrimmableKV:

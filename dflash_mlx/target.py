@@ -32,6 +32,8 @@ from .rollback import (
     BatchRotatingKV,
     BatchTrimmableKV,
     GatedDeltaState,
+    RaggedBatchKVCache,
+    RaggedRows,
     UnsupportedCache,
     checkpointed,
     checkpointed_batch,
@@ -60,6 +62,8 @@ class TargetCache:
     def rollback(self, keep: int):
         for h in self.handlers:
             h.rollback(keep)
+
+    splittable = False  # one row: a pass over some rows is a pass over all
 
     def rollback_rows(self, keep: list[int]):
         self.rollback(keep[0])
@@ -106,6 +110,17 @@ class BatchTargetCache:
     def _kv(self) -> list:
         return [h.cache for h in self.handlers if isinstance(h, (BatchTrimmableKV, BatchRotatingKV))]
 
+    @property
+    def splittable(self) -> bool:
+        """Whether a pass may run over some of its rows alone (`rows`): full-attention layers
+        only (a sliding window or a recurrent state shares one write index across the rows)."""
+        return all(isinstance(c, RaggedBatchKVCache) for c in self.layers)
+
+    def rows(self, start: int, stop: int) -> "BatchRows":
+        """Rows start..stop-1 as the cache of a pass over them alone (`splittable` batches); the
+        batch's checkpoint and rollback still cover every row."""
+        return BatchRows([RaggedRows(c, slice(start, stop)) for c in self.layers])
+
     def extend(self, other: "BatchTargetCache"):
         """Append `other`'s rows (after this batch's)."""
         for cache, more in zip(self.layers, other.layers):
@@ -128,7 +143,7 @@ class BatchTargetCache:
             cache.finalize()
 
     def keep_rows(self, rows: list[int]):
-        """Drop every row not in `rows` (the common left padding goes with them)."""
+        """The rows in `rows`, in that order; every other dropped (the common left padding goes with them)."""
         index = mx.array(rows, dtype=mx.int32)
         for cache in self.layers:
             cache.filter(index)
@@ -142,6 +157,14 @@ class BatchTargetCache:
             h.rollback(keep)
 
     rollback_rows = rollback
+
+
+class BatchRows:
+    """Some rows of a batch, as the cache a target pass over them alone is given."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.handlers = []  # no recurrent state to record: splittable batches are full attention
 
 
 class _Pass:

@@ -12,7 +12,7 @@ from dflash_mlx.costs import CostModel, StepTimes, context_class
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
 from dflash_mlx.engine import Decoder
 from dflash_mlx.fused_ops import fusing
-from dflash_mlx.plan import Plan, Planner
+from dflash_mlx.plan import PLAIN, Plan, Planner, fixed_plan
 from dflash_mlx.request import Context, Request
 from dflash_mlx.drafters.dflash import ContextRows
 from dflash_mlx.engine import decode
@@ -402,6 +402,40 @@ def test_the_batch_width_follows_the_cost_curve(per_token, drafts):
         assert any(width > 1 for _, width in shapes)
     else:
         assert_settles_plain(shapes)
+
+
+class Apart(Planner):
+    """A planner that verifies the first and last of three rows at the drafter's block in one
+    pass and the middle one plain in another, whenever the batch allows it."""
+
+    def passes(self, rows, drafter=True, apart=False):
+        if not apart or len(rows) != 3:
+            return super().passes(rows, drafter, apart)
+        wide = [fixed_plan(rows[i].block, rows[i].left) for i in (0, 2)]
+        return [([0, 2], wide), ([1], [PLAIN])]
+
+
+@pytest.mark.parametrize("model_type", BATCH_FAMILIES)
+def test_passes_over_some_rows_of_a_batch_are_exact(model_type):
+    """Rows verified apart (the first and last in a pass of their own: the batch's rows reordered
+    to make them consecutive; the middle one plain in another pass) decode exactly what they
+    decode alone, on every family whose batch allows it (full attention); the others never run
+    a pass over some rows."""
+    target = tiny_target(model_type, seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 30)
+    recorded = Recording(target)
+    decoder = Decoder(DFlashModel(recorded, oracle, planner=Apart(cost_model(0.1), 6)))
+    uids = [decoder.add(Request(list(p), 30, SamplingParams())) for p in PROMPTS]
+    out, apart = {}, 0
+    while decoder.busy:
+        passes, prefills = len(recorded.passes), len(recorded.prefills)
+        step = decoder.step()
+        for uid, row in step.steps.items():
+            out.setdefault(uid, []).extend(row.tokens)
+        verifies = [shape for shape in recorded.passes[passes:] if shape not in recorded.prefills[prefills:]]
+        apart += any(rows < step.size for rows, _ in verifies)
+    assert [out[uid] for uid in uids] == [r[len(p) : len(p) + 30] for p, r in zip(PROMPTS, references)]
+    assert (apart > 5) == BatchTargetCache([target.make_cache()]).splittable
 
 
 def test_step_times_learn_each_shape_and_guess_the_others():

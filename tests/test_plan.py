@@ -377,3 +377,29 @@ def test_a_long_agreement_is_copied_wide_from_its_first_try():
         plan = best(planner, row, lookup=Match(tuple(range(40)), 16))
         run(planner, row, plan, 0)
     assert best(planner, row).width <= 2
+
+
+def test_rows_wanting_different_widths_are_verified_apart_only_where_a_pass_costs_its_tokens():
+    """Two rows whose drafts are nearly always right and one whose drafts never are: on a CPU-like
+    curve (and a batch that can run a pass over some rows) the good rows verify wide in one pass and
+    the other plain in another, the good ones first (consecutive: the batch reorders its rows); on a
+    flat curve (a GPU), or a batch that cannot, one pass for all."""
+
+    def rows_and_planner(cost):
+        planner, rows = Planner(cost, 16), [Row(), Row(), Row()]
+        for row, rate in zip(rows, (0.99, 0.02, 0.99)):
+            planner.start(row)
+            row.since_draft = 0
+            planner.estimate(row, "dflash").trials = [1e6] * 16
+            planner.estimate(row, "dflash").hits = [rate * 1e6] * 16
+        return planner, rows
+
+    planner, rows = rows_and_planner(cpu_like())
+    whole = planner.plan(rows)
+    assert len({plan.width for plan in whole}) == 1  # one pass: every row at one width
+    (first, wide), (second, narrow) = planner.passes(rows, apart=True)
+    assert (first, second) == ([0, 2], [1])
+    assert [plan.width for plan in wide] == [16, 16] and narrow == [PLAIN]
+    assert planner.passes(rows, apart=False) == [([0, 1, 2], whole)]
+    planner, rows = rows_and_planner(CostModel([1, 16], [0.1, 0.1], 0.01))
+    assert planner.passes(rows, apart=True) == [([0, 1, 2], planner.plan(rows))]
