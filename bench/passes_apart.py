@@ -7,7 +7,9 @@ session alone for the floor a compute-bound machine sets.
 
 The sessions are bench/agent_session.py's (coding and writing in turn, each turn's answer kept in
 the conversation), driven through BatchGenerator with a prompt cache as the server drives it (no
-HTTP, no idle-time prefill): each session sends its next turn as soon as its answer ends.  Per rep
+HTTP, no idle-time prefill): each session sends its next turn as soon as its answer ends.  Every
+replay starts with an empty prompt cache and store of earlier answers; what the planner learnt
+(step times, acceptance) carries over, as in a server that has been running.  Per rep
 the two variants run in turn, the first alternating; medians over the reps.  Reported per variant:
 wall time of all sessions, time to first token per turn (median over sessions), and the batch
 steps that verified apart.  Greedy; the answers of both variants are compared.
@@ -16,6 +18,7 @@ steps that verified apart.  Greedy; the answers of both variants are compared.
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -27,11 +30,14 @@ from agent_session import sessions
 from dflash_mlx import BatchGenerator, load
 from dflash_mlx.bench.harness import machine
 from dflash_mlx.prompt_cache import PromptCache
+from dflash_mlx.suffix import SuffixStore
 
 
 def replay(model, tokenizer, chosen: list[dict], turns: int, max_tokens: int) -> dict:
     """All `chosen` sessions at once: wall seconds, each session's TTFT per turn and answers, and
-    how many steps verified apart."""
+    how many steps verified apart.  The model's store of earlier answers starts empty (it would
+    hold the answers of the replays before, and copy them)."""
+    model = replace(model, suffixes=SuffixStore())
     generator = BatchGenerator(model, tokenizer, max_batch=8, prompt_cache=PromptCache(1 << 30), max_batch_tokens=32768)
     generator.warm_up()
     apart = 0

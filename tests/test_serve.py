@@ -130,6 +130,19 @@ def test_models_health_metrics(served):
     assert held == server.prompt_cache.nbytes > 0  # the answer's state is kept
 
 
+def test_metrics_count_batch_steps_by_mode():
+    """A batched verify in two passes (rows apart) is counted as its own mode."""
+    from dflash_mlx.serve.metrics import Metrics
+
+    metrics = Metrics(16)
+    for size, width, passes in ((4, 16, 2), (4, 16, 1), (4, 1, 1), (4, 16, 2), (0, 0, 0)):
+        metrics.batch_step(size, width, passes)
+    text = metrics.render(0)
+    assert 'dflash_batch_steps_total{size="4",mode="apart"} 2' in text
+    assert 'dflash_batch_steps_total{size="4",mode="draft"} 1' in text
+    assert 'dflash_batch_steps_total{size="4",mode="plain"} 1' in text
+
+
 @pytest.mark.parametrize(
     "body, content_type, status, needle",
     [

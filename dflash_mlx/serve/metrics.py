@@ -20,8 +20,8 @@ class Metrics:
         self.last_tps = 0.0
         self.prefix_cache_hits = 0
         self.prefix_cache_bytes = 0
-        self.batch_steps = Counter()
-        self.batch_size = 0  # rows in the last batch step  # (batch size, "plain" | "draft") -> steps
+        self.batch_steps = Counter()  # (batch size, "plain" | "draft" | "apart") -> steps
+        self.batch_size = 0  # rows in the last batch step
 
     def finished(self, last, cancelled: bool = False) -> None:
         with self._lock:
@@ -36,11 +36,11 @@ class Metrics:
                 self.committed[k] += n
             self.last_tps = last.generation_tps
 
-    def batch_step(self, size: int, width: int) -> None:
+    def batch_step(self, size: int, width: int, passes: int = 1) -> None:
         if not size:  # a prefill's step: nothing decoded
             return
         with self._lock:
-            self.batch_steps[size, "draft" if width > 1 else "plain"] += 1
+            self.batch_steps[size, "apart" if passes > 1 else "draft" if width > 1 else "plain"] += 1
             self.batch_size = size
 
     def rejected(self, status: int) -> None:
@@ -93,7 +93,8 @@ class Metrics:
                 "# TYPE dflash_batch_size gauge",
                 f"dflash_batch_size {self.batch_size}",
                 "# HELP dflash_batch_steps_total Batch steps by batch size and mode (draft: a batched "
-                "verify of drafted tokens; plain: batched plain decoding).",
+                "verify of drafted tokens; apart: the same in two passes, each part of the batch at its "
+                "own width; plain: batched plain decoding).",
                 "# TYPE dflash_batch_steps_total counter",
                 *(
                     f'dflash_batch_steps_total{{size="{size}",mode="{mode}"}} {n}'

@@ -50,7 +50,7 @@ class Draining(Exception):
 
 
 class Worker:
-    """Up to `max_batch` jobs decoded together on the engine thread; `on_step(size, width)`
+    """Up to `max_batch` jobs decoded together on the engine thread; `on_step(size, width, passes)`
     after each step, `on_finish(last response, cancelled)` when a job ends."""
 
     def __init__(
@@ -180,8 +180,9 @@ class Worker:
             except Exception as e:  # a failed step fails the jobs in it; the engine goes on
                 self._fail_all(e)
                 continue
-            if self.on_step is not None and self.batch.last_step is not None:
-                self.on_step(self.batch.last_step.size, self.batch.last_step.width)
+            step = self.batch.last_step
+            if self.on_step is not None and step is not None:
+                self.on_step(step.size, step.width, step.passes)
             for uid, response in responses:
                 if self.idle_prefill is not None and uid == self.idle_prefill[0]:
                     if response.finish_reason:  # its one token is out: its prompt's state is kept
