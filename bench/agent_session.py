@@ -25,18 +25,18 @@ resident memory after each (memory must stay flat once the prompt cache is full)
 """
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from serve_batch import start_ours, start_servers, stop  # noqa: E402
+
+from dflash_mlx.bench.harness import report  # noqa: E402
 
 TOOLS = """You are a coding agent working in the user's repository. You can call these tools:
 - read_file(path: string): returns the file's text.
@@ -186,17 +186,6 @@ def current_rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def report(lines: list[str], out, name: str, data: Optional[dict] = None) -> None:
-    """Print `lines`; with `out`, write them to out/name (and `data` to out/results.json)."""
-    print("\n".join(lines))
-    if out:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        if data is not None:
-            (out / "results.json").write_text(json.dumps(data, indent=1))
-        (out / name).write_text("\n".join(lines) + "\n")
 
 
 def prompt_cache_mb(port: int) -> float:

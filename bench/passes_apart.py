@@ -28,7 +28,7 @@ import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 from agent_session import sessions
 
 from dflash_mlx import BatchGenerator, load
-from dflash_mlx.bench.harness import machine
+from dflash_mlx.bench.harness import machine, report
 from dflash_mlx.prompt_cache import PromptCache
 from dflash_mlx.suffix import SuffixStore
 
@@ -121,11 +121,7 @@ def main(
         lines.append(
             f"Each session alone, one after another: {sum(seconds):.1f} s ({' + '.join(f'{x:.1f}' for x in seconds)})"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.md").write_text(text)
+    report(lines, out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from long_context import long_prompt
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 
 from dflash_mlx import engine, load
-from dflash_mlx.bench.harness import machine
+from dflash_mlx.bench.harness import machine, report
 from dflash_mlx.fused_ops import unfused
 from dflash_mlx.sampling import SamplingParams
 
@@ -74,11 +74,7 @@ def main(
                 print(f"{len(prompt)} {variant}: {times[variant][-1]:.2f} s", file=sys.stderr, flush=True)
         cells = [f"{statistics.median(times[variant]):.2f} s" for variant in variants]
         lines.append(f"| {len(prompt)} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.md").write_text(text)
+    report(lines, out)
 
 
 if __name__ == "__main__":

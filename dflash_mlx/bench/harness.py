@@ -157,6 +157,17 @@ def run_bench(
     return results
 
 
+def report(lines: list[str], out: Optional[Path], name: str = "results.md", data: Optional[dict] = None) -> None:
+    """Print `lines`; with `out`, write them to out/name (and `data` to out/results.json)."""
+    print("\n".join(lines))
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        if data is not None:
+            (out / "results.json").write_text(json.dumps(data, indent=1))
+        (out / name).write_text("\n".join(lines) + "\n")
+
+
 def machine() -> str:
     return (
         f"{platform.system()} {platform.machine()}, {platform.processor() or 'cpu'}, mlx {mx.__version__}, "
