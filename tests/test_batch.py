@@ -438,6 +438,26 @@ def test_passes_over_some_rows_of_a_batch_are_exact(model_type):
     assert (apart > 5) == BatchTargetCache([target.make_cache()]).splittable
 
 
+def test_sampled_rows_verified_apart_draw_what_they_draw_alone():
+    """Seeded sampling (temperature, top-p, top-k) of rows verified apart equals the same seeds alone."""
+    target = tiny_target("llama", seed=2)
+    draft = random_draft(target, block_size=4)
+    params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
+    alone = [
+        [t for s in decode(DFlashModel(target, draft), mx.array(p), sp, 30, seed=7 + i) for t in s.tokens]
+        for i, (p, sp) in enumerate(zip(PROMPTS, params))
+    ]
+    decoder = Decoder(DFlashModel(target, draft, planner=Apart(cost_model(0.1), 4)))
+    uids = [decoder.add(Request(list(p), 30, sp, seed=7 + i)) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    out, apart = {}, 0
+    while decoder.busy:
+        step = decoder.step()
+        apart += step.passes > 1
+        for uid, row in step.steps.items():
+            out.setdefault(uid, []).extend(row.tokens)
+    assert [out[u] for u in uids] == alone and apart > 5
+
+
 def test_step_times_learn_each_shape_and_guess_the_others():
     times = StepTimes()
     assert times.ratio(4, 2) == 1.0  # nothing run yet: the cost curve
