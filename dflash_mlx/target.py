@@ -45,6 +45,8 @@ class TargetCache:
     """The target's per-layer mlx-lm caches plus their rollback handlers: one row, with the
     calls of a batch (BatchTargetCache) that one row needs."""
 
+    splittable = False  # one row: a pass over some rows is a pass over all
+
     def __init__(self, model: nn.Module = None, layers: list = None):
         """A fresh cache for `model`, or one holding `layers` (a batch row's, extracted)."""
         self.layers = layers if layers is not None else make_prompt_cache(model)
@@ -62,8 +64,6 @@ class TargetCache:
     def rollback(self, keep: int):
         for h in self.handlers:
             h.rollback(keep)
-
-    splittable = False  # one row: a pass over some rows is a pass over all
 
     def rollback_rows(self, keep: list[int]):
         self.rollback(keep[0])
