@@ -202,16 +202,21 @@ class Planner:
         """Each row's plan for the next step.  With `lookahead` = 1 the step after that is
         planned before the coming tokens are read (to queue it when it is plain): the rows
         count one token less left, and their copy matches are the current ones."""
+        return self._plan(rows, drafter, lookahead)[0]
+
+    def _plan(self, rows: list[Row], drafter: bool, lookahead: int = 0) -> tuple[list[Plan], Optional[list]]:
+        """plan()'s plans, and the rows' copy matches when it looked them up (None when it chose
+        without them: no adaptive row, or a plain step re-timed)."""
         lefts = [row.left - lookahead for row in rows]
         fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
         if not any(row.adaptive for row in rows):
-            return fixed
+            return fixed, None
         least = max((plan.width for row, plan in zip(rows, fixed) if not row.adaptive), default=1)
         if least == 1 and self.steps - self.plain_at.get(len(rows), 0) >= self.explore_every:
-            return [PLAIN] * len(rows)  # re-time the plain step: its figure may be old, or one bad step
+            return [PLAIN] * len(rows), None  # re-time the plain step: its figure may be old, or one bad step
         matches = [row.matches(min(self.max_width, left) - 1) if row.adaptive else [] for row, left in zip(rows, lefts)]
         best, _ = self._best(rows, lefts, fixed, matches, drafter, self._expected(rows), least)
-        return self._probes(rows, lefts, best, drafter)
+        return self._probes(rows, lefts, best, drafter), matches
 
     def _best(self, rows, lefts, fixed, matches, drafter: bool, expected, least: int = 1) -> tuple[list[Plan], float]:
         """The rows' plans at the width that commits most per second, and that figure."""
@@ -237,10 +242,10 @@ class Planner:
         expected to commit `apart_gain` times the tokens per second (a cut may reorder the batch's
         rows, a copy of their caches).  Where a pass's cost hardly grows with its rows (a GPU),
         two passes never pay, and are not weighed."""
-        plans = self.plan(rows, drafter)
+        plans, matches = self._plan(rows, drafter)
         whole = [(list(range(len(rows))), plans)]
         width = max(plan.width for plan in plans)
-        if not apart or len(rows) < 2 or width == 1 or not all(row.adaptive for row in rows):
+        if not apart or len(rows) < 2 or width == 1 or matches is None or not all(row.adaptive for row in rows):
             return whole
         one_pass, context = self.seconds(rows, plans), span(rows)
         cheapest = sum(self.step_times.seconds(1, w, self.cost.verify(w), context) for w in (width, 1))
@@ -248,8 +253,7 @@ class Planner:
             return whole
         lefts = [row.left for row in rows]
         fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
-        matches = [row.matches(min(self.max_width, left) - 1) for row, left in zip(rows, lefts)]
-        expected = self._expected(rows)
+        expected = self._expected(rows)  # (the copy matches are plan()'s: every row is adaptive)
 
         def best(indices: list[int]) -> tuple[list[Plan], float, float]:
             """The part's plans, the tokens they are expected to commit and their seconds."""
