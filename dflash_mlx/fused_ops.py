@@ -1,4 +1,4 @@
-"""A model's ops in faster forms on a CPU, with bitwise the same output.
+"""A model's ops in faster forms on a CPU, with the same output up to float32 rounding.
 
 Norms and RoPE, compiled per module instance: on a CPU, `mx.fast.rms_norm` and
 `mx.fast.rope` fall back to compositions of small ops (11 and 29 primitives), and each
@@ -9,23 +9,36 @@ becomes a few fused kernels.
 Matmul weights, stored column-major: a float32 Linear (or tied Embedding head) computes
 x @ W.T, which BLAS runs as its "NT" kernel on a row-major W; the same values stored
 transposed make it the "NN" kernel, which OpenBLAS runs faster at decode shapes (a few rows
-against weights streamed from memory: a SmolLM2 decode step ~1.2x), bitwise the same.  An
-untied Embedding's lookups then read strided rows, a few per decode step.
+against weights streamed from memory: a SmolLM2 decode step ~1.2x).  Bitwise the same where
+both kernels sum alike (an AVX2 machine here), within float32 rounding where they do not
+(an AVX-512 one: ~1e-6).  An untied Embedding's lookups then read strided rows, a few per
+decode step.
 
-On a GPU the norms and RoPE are single kernels already and the matmuls are not BLAS, so
-nothing is done there (bench/fused_ops.py measures the step).
+Attention's softmax, with its exp in compiled multiply-adds: on an x86 CPU, MLX evaluates
+exp one lane at a time with a library fma per polynomial term (~12 ns an element), and a
+pass's scores over a long context are most of its attention (a 25-token pass over 2,400
+tokens: 6.2 of 8.6 ms a layer).  The same polynomial in plain multiply-adds, compiled, costs
+~3.5 ns while the scores stay in cache; larger score blocks keep mlx-lm's attention.  Within
+~3e-7 of MLX's (tests/test_fused_ops.py), as passes of different widths are of each other.
 
-`fuse(model)` puts a FusedNorm / FusedRoPE in front of every module of the kinds below and
-re-stores the matmul weights, in that model instance only (never in a class); `unfused(model)`
-undoes both for a while (a plain mlx-lm baseline runs mlx-lm's own ops on row-major weights).
+On a GPU the norms, RoPE and attention are single kernels already and the matmuls are not
+BLAS, so nothing is done there (bench/fused_ops.py measures the step).
+
+`fuse(model)` puts a FusedNorm / FusedRoPE in front of every module of the kinds below and a
+FusedAttention in front of every module calling mlx-lm's `scaled_dot_product_attention`, and
+re-stores the matmul weights, in that model instance only (never in a class or module);
+`unfused(model)` undoes all of it for a while (a plain mlx-lm baseline runs mlx-lm's own ops
+on row-major weights).
 A compiled function is traced once per input shape; the module's parameters are passed in at
 each call, so the live weights are used.
 """
 
+import types
 from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import base
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
 
 NORMS = (nn.RMSNorm, nn.LayerNorm)
@@ -78,6 +91,89 @@ class FusedRoPE(_Fused):
         return self._forward(x, offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32))
 
 
+# MLX's CPU exp (mlx/backend/cpu/simd/math.h): 2**(x log2 e) as a power of two times a
+# polynomial of the fraction; below EXP_FLOOR a softmax weight is under 1e-34 of the largest
+EXP_POLYNOMIAL = (
+    1.535336188319500e-4,
+    1.339887440266574e-3,
+    9.618437357674640e-3,
+    5.550332471162809e-2,
+    2.402264791363012e-1,
+    6.931472028550421e-1,
+    1.0,
+)
+ROUNDING = 1.5 * 2**23  # x + ROUNDING - ROUNDING is x rounded to an integer, for |x| < 2**22
+EXP_FLOOR = -80.0
+SCORES_IN_CACHE = 655_360  # score elements of a pass up to which its softmax passes stay in cache (this CPU)
+
+
+@mx.compile
+def _exp_below(scores: mx.array, peak: mx.array) -> mx.array:
+    """exp(scores - peak), every element at most 0."""
+    shifted = scores - peak
+    x = mx.maximum(shifted, EXP_FLOOR) * 1.4426950408889634
+    whole = (x + ROUNDING) - ROUNDING
+    fraction = x - whole
+    power = mx.array(EXP_POLYNOMIAL[0], dtype=mx.float32)
+    for coefficient in EXP_POLYNOMIAL[1:]:
+        power = power * fraction + coefficient
+    two_to_whole = mx.left_shift(whole.astype(mx.int32) + 127, 23).view(mx.float32)
+    return mx.where(shifted < EXP_FLOOR, 0.0, two_to_whole * power)
+
+
+def softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis of float32 `scores` (-inf where masked)."""
+    weights = _exp_below(scores, scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` (the computation of MLX's own CPU fallback), with
+    the compiled softmax where the scores are float32 and fit in cache; mlx-lm's otherwise."""
+    B, H, L, _ = queries.shape
+    kv_heads, T = keys.shape[1], keys.shape[2]
+    if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32 or B * H * L * T > SCORES_IN_CACHE:
+        return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    group = H // kv_heads
+    queries = (queries * scale).reshape(B, kv_heads, group, L, -1)
+    scores = queries @ keys[:, :, None].swapaxes(-1, -2)  # (B, kv heads, group, L, T)
+    if isinstance(mask, str):  # "causal": the queries are the last L positions
+        mask = mx.arange(T)[None] <= mx.arange(T - L, T)[:, None]
+    if mask is not None:
+        if mask.ndim >= 3:
+            mask = (
+                mx.expand_dims(mask, -3)
+                if mask.shape[-3] == 1
+                else mask.reshape(*mask.shape[:-3], kv_heads, group, L, T)
+            )
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    return (softmax(scores) @ values[:, :, None]).reshape(B, H, L, -1)
+
+
+class FusedAttention(Wrapper):
+    """An attention module whose `__call__` runs with `scaled_dot_product_attention` above in
+    place of mlx-lm's: a copy of the function, with that one name rebound."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__(inner)
+        call = type(inner).__call__
+        names = {**call.__globals__, "scaled_dot_product_attention": scaled_dot_product_attention}
+        self._call = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
+        self._call.__kwdefaults__ = call.__kwdefaults__
+
+    def __call__(self, *args, **kwargs):
+        return self._call(self.inner, *args, **kwargs)
+
+
+def _calls_mlx_attention(module: nn.Module) -> bool:
+    call = getattr(type(module), "__call__", None)
+    return (
+        isinstance(call, types.FunctionType)
+        and "scaled_dot_product_attention" in call.__code__.co_names
+        and call.__globals__.get("scaled_dot_product_attention") is base.scaled_dot_product_attention
+    )
+
+
 def _place(model: nn.Module, path: str, module: nn.Module) -> None:
     *parents, name = path.split(".")
     owner = model
@@ -87,6 +183,9 @@ def _place(model: nn.Module, path: str, module: nn.Module) -> None:
         owner[int(name)] = module
     else:
         setattr(owner, name, module)
+
+
+STAND_INS = (_Fused, FusedAttention)
 
 
 def column_major(weight: mx.array) -> mx.array:
@@ -108,10 +207,14 @@ def fuse(model: nn.Module) -> nn.Module:
     fusing(); returns the model."""
     if fusing():
         modules = model.named_modules()
-        inside = {path for path, m in modules if isinstance(m, _Fused)}  # fused already
-        for path, m in modules:
-            if path and type(m) in NORMS + ROPES and path.rpartition(".")[0] not in inside:
+        inside = {path for path, m in modules if isinstance(m, STAND_INS)}  # fused already
+        fresh = [(path, m) for path, m in modules if path and path.rpartition(".")[0] not in inside]
+        for path, m in fresh:
+            if type(m) in NORMS + ROPES:
                 _place(model, path, (FusedNorm if type(m) in NORMS else FusedRoPE)(m))
+        for path, m in fresh:  # after the norms and RoPEs inside them, placed by the paths they had
+            if _calls_mlx_attention(m):
+                _place(model, path, FusedAttention(m))
         _restore_weights(model, column_major)
     return model
 
@@ -119,8 +222,10 @@ def fuse(model: nn.Module) -> nn.Module:
 @contextmanager
 def unfused(model: nn.Module):
     """`model` running its own (uncompiled) norms and RoPEs on row-major weights inside the block."""
-    fused = [(path, m) for path, m in model.named_modules() if isinstance(m, _Fused)]
-    for path, m in fused:
+    fused = sorted(
+        ((path, m) for path, m in model.named_modules() if isinstance(m, STAND_INS)), key=lambda pm: pm[0].count(".")
+    )
+    for path, m in reversed(fused):  # the innermost first: the outer ones' paths go through them
         _place(model, path, m.inner)
     if fused:
         _restore_weights(model, mx.contiguous)

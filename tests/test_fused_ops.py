@@ -1,13 +1,23 @@
-"""Compiled norms and RoPEs (fused_ops.py): the same bits as mlx-lm's own ops, fewer primitives."""
+"""Compiled norms and RoPEs (fused_ops.py): the same bits as mlx-lm's own ops, fewer primitives;
+attention with a compiled softmax: within float32 rounding of MLX's own."""
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx.fused_ops import FusedNorm, FusedRoPE, fuse, fusing, unfused
+from dflash_mlx import fused_ops
+from dflash_mlx.fused_ops import (
+    FusedAttention,
+    FusedNorm,
+    FusedRoPE,
+    fuse,
+    fusing,
+    scaled_dot_product_attention,
+    unfused,
+)
 from dflash_mlx.target import BatchTargetCache
-from tiny_models import tiny_model, tiny_target
+from tiny_models import same_up_to_rounding, tiny_model, tiny_target
 
 pytestmark = pytest.mark.skipif(
     not fusing(),
@@ -23,15 +33,96 @@ def fused_count(model: nn.Module) -> int:
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_a_fused_target_computes_the_same_bits_as_mlx_lm(model_type):
+def test_compiled_norms_and_ropes_compute_the_same_bits_as_mlx_lm(model_type, monkeypatch):
     """Prefill, single-token steps and a 4-token verify: logits bitwise equal to the
-    same weights run by mlx-lm's own (unfused) modules."""
+    same weights run by mlx-lm's own (unfused) modules, with the norms and RoPEs compiled
+    (attention and the weights' storage, not bitwise on every BLAS, left as mlx-lm has them)."""
+    monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", 0)
+    monkeypatch.setattr(fused_ops, "column_major", mx.contiguous)
     target, twin = tiny_target(model_type, seed=3), tiny_model(model_type, seed=3)
     ours, theirs = make_prompt_cache(target.model), make_prompt_cache(twin)
     for tokens in ([5, 9, 2, 33, 7, 61, 4], [12], [40], [3, 8, 15, 22]):
         batch = mx.array([tokens])
         a, b = target.model(batch, cache=ours), twin(batch, cache=theirs)
         assert mx.array_equal(a, b).item(), f"{model_type}: logits differ by {mx.abs(a - b).max().item()}"
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_fused_target_stays_within_rounding_of_mlx_lm(model_type):
+    """The same passes with everything fused_ops does: logits within float32 rounding of
+    mlx-lm's own modules, and the same greedy tokens."""
+    target, twin = tiny_target(model_type, seed=3), tiny_model(model_type, seed=3)
+    ours, theirs = make_prompt_cache(target.model), make_prompt_cache(twin)
+    for tokens in ([5, 9, 2, 33, 7, 61, 4], [12], [40], [3, 8, 15, 22]):
+        batch = mx.array([tokens])
+        a, b = target.model(batch, cache=ours), twin(batch, cache=theirs)
+        assert same_up_to_rounding(a, b), f"{model_type}: logits differ by {mx.abs(a - b).max().item()}"
+
+
+def attention_inputs(batch=2, heads=6, kv_heads=2, length=5, context=40, dim=16, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((batch, heads, length, dim))
+    k, v = mx.random.normal((2, batch, kv_heads, context + length, dim))
+    return q, k, v
+
+
+def causal(length, total):
+    return mx.arange(total)[None] <= mx.arange(total - length, total)[:, None]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        None,
+        "causal",
+        causal(5, 45),
+        mx.broadcast_to(causal(5, 45), (2, 1, 5, 45)),
+        mx.random.bernoulli(0.7, (2, 6, 5, 45)) | causal(5, 45),  # a mask per head
+        mx.where(causal(5, 45), 0.0, -1e9),  # additive
+    ],
+    ids=["none", "causal", "bool", "bool per row", "bool per head", "additive"],
+)
+def test_the_compiled_softmax_attention_matches_mlx(mask):
+    q, k, v = attention_inputs()
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = scaled_dot_product_attention(q, k, v, None, scale=0.25, mask=mask)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, rtol=1e-6, atol=1e-6).item(), mx.abs(got - want).max().item()
+
+
+def test_masked_and_negligible_scores_weigh_exactly_nothing():
+    scores = mx.array([[0.0, -mx.inf, -200.0, -79.0, 1.0]])
+    weights = fused_ops.softmax(scores)
+    assert weights[0, 1].item() == weights[0, 2].item() == 0.0
+    assert 0.0 < weights[0, 3].item() and abs(weights.sum().item() - 1.0) < 1e-6
+    wide = mx.random.normal((3, 300)) * 20
+    assert mx.allclose(fused_ops.softmax(wide), mx.softmax(wide, axis=-1, precise=True), rtol=1e-5, atol=1e-7).item()
+
+
+@pytest.mark.parametrize("case", ["sinks", "half precision", "scores past the cache"])
+def test_what_the_compiled_softmax_does_not_cover_is_mlx_lms_attention(case, monkeypatch):
+    q, k, v = attention_inputs()
+    sinks = mx.zeros((6,)) if case == "sinks" else None
+    if case == "half precision":
+        q, k, v = (x.astype(mx.bfloat16) for x in (q, k, v))
+    if case == "scores past the cache":
+        monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", q.size // 16 * 45 - 1)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal", sinks=sinks)
+    got = scaled_dot_product_attention(q, k, v, None, scale=0.25, mask="causal", sinks=sinks)
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_attention_calling_mlx_lms_is_stood_in_for_and_unfused_puts_it_back(model_type):
+    model = tiny_model(model_type)
+    calling = sum(fused_ops._calls_mlx_attention(m) for _, m in model.named_modules())
+    assert calling > 0  # every family here has attention layers written with mlx-lm's function
+    fuse(fuse(model))
+    assert sum(isinstance(m, FusedAttention) for _, m in model.named_modules()) == calling
+    with unfused(model):
+        assert not any(isinstance(m, (FusedAttention, FusedNorm, FusedRoPE)) for _, m in model.named_modules())
+        assert sum(fused_ops._calls_mlx_attention(m) for _, m in model.named_modules()) == calling
+    assert sum(isinstance(m, FusedAttention) for _, m in model.named_modules()) == calling
 
 
 def test_llama_norms_and_ropes_are_all_fused_once():
