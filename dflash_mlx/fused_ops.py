@@ -108,8 +108,8 @@ SCORES_IN_CACHE = 655_360  # score elements of a pass up to which its softmax pa
 
 
 @mx.compile
-def _exp_below(scores: mx.array, peak: mx.array) -> mx.array:
-    """exp(scores - peak), every element at most 0."""
+def exp_below(scores: mx.array, peak: mx.array) -> mx.array:
+    """exp(scores - peak) where no score is above `peak` (-inf scores: 0)."""
     shifted = scores - peak
     x = mx.maximum(shifted, EXP_FLOOR) * 1.4426950408889634
     whole = (x + ROUNDING) - ROUNDING
@@ -119,12 +119,6 @@ def _exp_below(scores: mx.array, peak: mx.array) -> mx.array:
         power = power * fraction + coefficient
     two_to_whole = mx.left_shift(whole.astype(mx.int32) + 127, 23).view(mx.float32)
     return mx.where(shifted < EXP_FLOOR, 0.0, two_to_whole * power)
-
-
-def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis of float32 `scores` (-inf where masked)."""
-    weights = _exp_below(scores, scores.max(axis=-1, keepdims=True))
-    return weights / weights.sum(axis=-1, keepdims=True)
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
@@ -147,7 +141,9 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
                 else mask.reshape(*mask.shape[:-3], kv_heads, group, L, T)
             )
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    return (softmax(scores) @ values[:, :, None]).reshape(B, H, L, -1)
+    weights = exp_below(scores, scores.max(axis=-1, keepdims=True))
+    # normalised after the product: a pass over (L, Dv) instead of one more over the scores
+    return ((weights @ values[:, :, None]) / weights.sum(axis=-1, keepdims=True)).reshape(B, H, L, -1)
 
 
 class FusedAttention(Wrapper):

@@ -24,6 +24,8 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
+from .fused_ops import fusing, scaled_dot_product_attention
+
 BACKENDS = ("auto", "metal", "mlx")
 ATTENTION_SIMDGROUPS = 8
 TAPE_SIMDGROUPS = 16  # a value head's rows over 512 threads (Qwen3.5 / Qwen3-Next: 128 rows, 8 each)
@@ -165,6 +167,8 @@ def block_attention_mlx(queries, keys, values, context: Optional[ContextSpan], *
         keys = mx.concatenate([context.keys[..., span, :], keys], axis=2)
         values = mx.concatenate([context.values[..., span, :], values], axis=2)
     mask = block_visibility(queries.shape[2], length, causal, window)
+    if fusing():  # the compiled softmax (fused_ops.py)
+        return scaled_dot_product_attention(queries, keys, values, None, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
