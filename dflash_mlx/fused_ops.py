@@ -33,6 +33,7 @@ A compiled function is traced once per input shape; the module's parameters are 
 each call, so the live weights are used.
 """
 
+import functools
 import types
 from contextlib import contextmanager
 
@@ -138,7 +139,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
             mask = (
                 mx.expand_dims(mask, -3)
                 if mask.shape[-3] == 1
-                else mask.reshape(*mask.shape[:-3], kv_heads, group, L, T)
+                else mask.reshape(*mask.shape[:-3], kv_heads, group, *mask.shape[-2:])
             )
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
     weights = exp_below(scores, scores.max(axis=-1, keepdims=True))
@@ -146,16 +147,22 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     return ((weights @ values[:, :, None]) / weights.sum(axis=-1, keepdims=True)).reshape(B, H, L, -1)
 
 
+@functools.cache
+def _with_our_attention(call: types.FunctionType) -> types.FunctionType:
+    """A copy of `call` whose global `scaled_dot_product_attention` is ours (one per class)."""
+    names = {**call.__globals__, "scaled_dot_product_attention": scaled_dot_product_attention}
+    copy = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
+    copy.__kwdefaults__ = call.__kwdefaults__
+    return copy
+
+
 class FusedAttention(Wrapper):
-    """An attention module whose `__call__` runs with `scaled_dot_product_attention` above in
-    place of mlx-lm's: a copy of the function, with that one name rebound."""
+    """An attention module run by a copy of its class's `__call__` that calls the
+    `scaled_dot_product_attention` above where mlx-lm's would be called."""
 
     def __init__(self, inner: nn.Module):
         super().__init__(inner)
-        call = type(inner).__call__
-        names = {**call.__globals__, "scaled_dot_product_attention": scaled_dot_product_attention}
-        self._call = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
-        self._call.__kwdefaults__ = call.__kwdefaults__
+        self._call = _with_our_attention(type(inner).__call__)
 
     def __call__(self, *args, **kwargs):
         return self._call(self.inner, *args, **kwargs)

@@ -78,9 +78,10 @@ def causal(length, total):
         causal(5, 45),
         mx.broadcast_to(causal(5, 45), (2, 1, 5, 45)),
         mx.random.bernoulli(0.7, (2, 6, 5, 45)) | causal(5, 45),  # a mask per head
+        mx.random.bernoulli(0.7, (2, 6, 1, 45)) | (mx.arange(45) == 44),  # per head, one for every query
         mx.where(causal(5, 45), 0.0, -1e9),  # additive
     ],
-    ids=["none", "causal", "bool", "bool per row", "bool per head", "additive"],
+    ids=["none", "causal", "bool", "bool per row", "bool per head", "bool per head for all queries", "additive"],
 )
 def test_the_compiled_softmax_attention_matches_mlx(mask):
     q, k, v = attention_inputs()
