@@ -133,7 +133,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     queries = (queries * scale).reshape(B, kv_heads, group, L, -1)
     scores = queries @ keys[:, :, None].swapaxes(-1, -2)  # (B, kv heads, group, L, T)
     if isinstance(mask, str):  # "causal": the queries are the last L positions
-        mask = mx.arange(T)[None] <= mx.arange(T - L, T)[:, None]
+        mask = base.create_causal_mask(L, T - L)
     if mask is not None:
         if mask.ndim >= 3:
             mask = (
@@ -206,8 +206,8 @@ def _restore_weights(model: nn.Module, layout) -> None:
 
 
 def fuse(model: nn.Module) -> nn.Module:
-    """`model` with its norms and RoPEs compiled and its matmul weights column-major, where
-    fusing(); returns the model."""
+    """`model` with its norms and RoPEs compiled, its attention's softmax compiled and its matmul
+    weights column-major, where fusing(); returns the model."""
     if fusing():
         modules = model.named_modules()
         inside = {path for path, m in modules if isinstance(m, STAND_INS)}  # fused already
@@ -224,7 +224,7 @@ def fuse(model: nn.Module) -> nn.Module:
 
 @contextmanager
 def unfused(model: nn.Module):
-    """`model` running its own (uncompiled) norms and RoPEs on row-major weights inside the block."""
+    """`model` running its own norms, RoPEs and attention on row-major weights inside the block."""
     fused = sorted(
         ((path, m) for path, m in model.named_modules() if isinstance(m, STAND_INS)), key=lambda pm: pm[0].count(".")
     )

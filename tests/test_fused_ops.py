@@ -4,6 +4,7 @@ attention with a compiled softmax: within float32 rounding of MLX's own."""
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import fused_ops
@@ -32,6 +33,16 @@ def fused_count(model: nn.Module) -> int:
     return sum(isinstance(m, (FusedNorm, FusedRoPE)) for _, m in model.named_modules())
 
 
+def logits_fused_and_not(model_type: str):
+    """Prefill, two single-token steps and a 4-token verify: each pass's logits from the fused
+    target and from the same weights in mlx-lm's own modules."""
+    target, twin = tiny_target(model_type, seed=3), tiny_model(model_type, seed=3)
+    ours, theirs = make_prompt_cache(target.model), make_prompt_cache(twin)
+    for tokens in ([5, 9, 2, 33, 7, 61, 4], [12], [40], [3, 8, 15, 22]):
+        batch = mx.array([tokens])
+        yield target.model(batch, cache=ours), twin(batch, cache=theirs)
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_compiled_norms_and_ropes_compute_the_same_bits_as_mlx_lm(model_type, monkeypatch):
     """Prefill, single-token steps and a 4-token verify: logits bitwise equal to the
@@ -39,11 +50,7 @@ def test_compiled_norms_and_ropes_compute_the_same_bits_as_mlx_lm(model_type, mo
     (attention and the weights' storage, not bitwise on every BLAS, left as mlx-lm has them)."""
     monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", 0)
     monkeypatch.setattr(fused_ops, "column_major", mx.contiguous)
-    target, twin = tiny_target(model_type, seed=3), tiny_model(model_type, seed=3)
-    ours, theirs = make_prompt_cache(target.model), make_prompt_cache(twin)
-    for tokens in ([5, 9, 2, 33, 7, 61, 4], [12], [40], [3, 8, 15, 22]):
-        batch = mx.array([tokens])
-        a, b = target.model(batch, cache=ours), twin(batch, cache=theirs)
+    for a, b in logits_fused_and_not(model_type):
         assert mx.array_equal(a, b).item(), f"{model_type}: logits differ by {mx.abs(a - b).max().item()}"
 
 
@@ -51,11 +58,7 @@ def test_compiled_norms_and_ropes_compute_the_same_bits_as_mlx_lm(model_type, mo
 def test_a_fused_target_stays_within_rounding_of_mlx_lm(model_type):
     """The same passes with everything fused_ops does: logits within float32 rounding of
     mlx-lm's own modules, and the same greedy tokens."""
-    target, twin = tiny_target(model_type, seed=3), tiny_model(model_type, seed=3)
-    ours, theirs = make_prompt_cache(target.model), make_prompt_cache(twin)
-    for tokens in ([5, 9, 2, 33, 7, 61, 4], [12], [40], [3, 8, 15, 22]):
-        batch = mx.array([tokens])
-        a, b = target.model(batch, cache=ours), twin(batch, cache=theirs)
+    for a, b in logits_fused_and_not(model_type):
         assert same_up_to_rounding(a, b), f"{model_type}: logits differ by {mx.abs(a - b).max().item()}"
 
 
@@ -67,7 +70,7 @@ def attention_inputs(batch=2, heads=6, kv_heads=2, length=5, context=40, dim=16,
 
 
 def causal(length, total):
-    return mx.arange(total)[None] <= mx.arange(total - length, total)[:, None]
+    return create_causal_mask(length, total - length)
 
 
 @pytest.mark.parametrize(
