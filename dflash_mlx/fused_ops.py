@@ -16,10 +16,13 @@ decode step.
 
 Attention's softmax, with its exp in compiled multiply-adds: on an x86 CPU, MLX evaluates
 exp one lane at a time with a library fma per polynomial term (~12 ns an element), and a
-pass's scores over a long context are most of its attention (a 25-token pass over 2,400
-tokens: 6.2 of 8.6 ms a layer).  The same polynomial in plain multiply-adds, compiled, costs
-~3.5 ns while the scores stay in cache; larger score blocks keep mlx-lm's attention.  Within
-~3e-7 of MLX's (tests/test_fused_ops.py), as passes of different widths are of each other.
+pass's scores over a long context are most of its attention.  The same polynomial in plain
+multiply-adds, compiled into loops the C++ compiler vectorises, costs ~2 ns while the scores
+stay in cache, so a pass's attention is computed in parts (rows of a batch, kv heads, spans
+of queries) one after another, each part's scores 2 MB at most: one layer's attention of a
+4-row verify of 16 tokens over 2,100, or of a 128-token prefill chunk over 2,048, in about half
+MLX's time (bench/fused_ops.py --attention).  Within ~3e-7 of MLX's (tests/test_fused_ops.py),
+as passes of different widths are of each other.
 
 On a GPU the norms, RoPE and attention are single kernels already and the matmuls are not
 BLAS, so nothing is done there (bench/fused_ops.py measures the step).
@@ -93,7 +96,7 @@ class FusedRoPE(_Fused):
 
 
 # MLX's CPU exp (mlx/backend/cpu/simd/math.h): 2**(x log2 e) as a power of two times a
-# polynomial of the fraction; below EXP_FLOOR a softmax weight is under 1e-34 of the largest
+# polynomial of the fraction
 EXP_POLYNOMIAL = (
     1.535336188319500e-4,
     1.339887440266574e-3,
@@ -103,48 +106,104 @@ EXP_POLYNOMIAL = (
     6.931472028550421e-1,
     1.0,
 )
+LOG2_E = 1.4426950408889634
 ROUNDING = 1.5 * 2**23  # x + ROUNDING - ROUNDING is x rounded to an integer, for |x| < 2**22
-EXP_FLOOR = -80.0
-SCORES_IN_CACHE = 655_360  # score elements of a pass up to which its softmax passes stay in cache (this CPU)
+EXP2_FLOOR = -127.0  # 2**-127 built with a zero exponent field is exactly 0.0 (a softmax weight under 1e-38)
+SCORES_IN_CACHE = 524_288  # score elements (2 MB) an attention part keeps in cache (this CPU: 256k-1M alike)
 
 
 @mx.compile
-def exp_below(scores: mx.array, peak: mx.array) -> mx.array:
-    """exp(scores - peak) where no score is above `peak` (-inf scores: 0)."""
-    shifted = scores - peak
-    x = mx.maximum(shifted, EXP_FLOOR) * 1.4426950408889634
-    whole = (x + ROUNDING) - ROUNDING
-    fraction = x - whole
-    power = mx.array(EXP_POLYNOMIAL[0], dtype=mx.float32)
+def exp_nonpositive(x: mx.array) -> mx.array:
+    """exp(x) for x <= 0 (-inf and below -88: 0) in loops the C++ compiler vectorises: no select
+    (a branch), no broadcast input (a strided loop); the fraction is computed again from x rather
+    than from the power of two's rounding (the compile then splits it into fewer kernels)."""
+    powers = mx.maximum(x * LOG2_E, EXP2_FLOOR)
+    two_to_whole = mx.left_shift(((powers + ROUNDING) - ROUNDING).astype(mx.int32) + 127, 23).view(mx.float32)
+    powers = mx.maximum(x * LOG2_E, EXP2_FLOOR)
+    fraction = powers - ((powers - ROUNDING) + ROUNDING)
+    polynomial = mx.array(EXP_POLYNOMIAL[0], dtype=mx.float32)
     for coefficient in EXP_POLYNOMIAL[1:]:
-        power = power * fraction + coefficient
-    two_to_whole = mx.left_shift(whole.astype(mx.int32) + 127, 23).view(mx.float32)
-    return mx.where(shifted < EXP_FLOOR, 0.0, two_to_whole * power)
+        polynomial = polynomial * fraction + coefficient
+    return two_to_whole * polynomial
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention` (the computation of MLX's own CPU fallback), with
-    the compiled softmax where the scores are float32 and fit in cache; mlx-lm's otherwise."""
+    the compiled softmax where the scores are float32, in parts (`_part_sizes`) computed one
+    after another so that each part's scores stay in cache; mlx-lm's otherwise."""
     B, H, L, _ = queries.shape
     kv_heads, T = keys.shape[1], keys.shape[2]
-    if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32 or B * H * L * T > SCORES_IN_CACHE:
-        return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     group = H // kv_heads
+    if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32 or group * T > SCORES_IN_CACHE:
+        return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     queries = (queries * scale).reshape(B, kv_heads, group, L, -1)
-    scores = queries @ keys[:, :, None].swapaxes(-1, -2)  # (B, kv heads, group, L, T)
     if isinstance(mask, str):  # "causal": the queries are the last L positions
         mask = base.create_causal_mask(L, T - L)
     if mask is not None:
-        if mask.ndim >= 3:
-            mask = (
-                mx.expand_dims(mask, -3)
-                if mask.shape[-3] == 1
-                else mask.reshape(*mask.shape[:-3], kv_heads, group, *mask.shape[-2:])
-            )
+        mask = _by_kv_head(mask, kv_heads)
+    rows, heads, spans = _part_sizes(B, kv_heads, group, L, T)
+    last, by_row = None, []
+    for b in range(0, B, rows):
+        by_head = []
+        for h in range(0, kv_heads, heads):
+            by_span = []
+            for q in range(0, L, spans):
+                part = queries[b : b + rows, h : h + heads, :, q : q + spans]
+                if last is not None:  # MLX would otherwise compute the parts side by side, all their scores at once
+                    part = mx.depends(part, last)
+                part_mask = None if mask is None else _mask_part(mask, b, rows, h, heads, q, spans)
+                last = _attend(part, keys[b : b + rows, h : h + heads], values[b : b + rows, h : h + heads], part_mask)
+                by_span.append(last)
+            by_head.append(_concatenate(by_span, axis=3))
+        by_row.append(_concatenate(by_head, axis=1))
+    return _concatenate(by_row, axis=0).reshape(B, H, L, -1)
+
+
+def _attend(queries, keys, values, mask) -> mx.array:
+    """One part's attention: (rows, kv heads, group, L, D) queries, each kv head's group and
+    queries against its keys in one product."""
+    rows, heads, group, L, _ = queries.shape
+    scores = (queries.reshape(rows, heads, group * L, -1) @ keys.swapaxes(-1, -2)).reshape(rows, heads, group, L, -1)
+    if mask is not None:
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    weights = exp_below(scores, scores.max(axis=-1, keepdims=True))
+    weights = exp_nonpositive(scores - scores.max(axis=-1, keepdims=True))
     # normalised after the product: a pass over (L, Dv) instead of one more over the scores
-    return ((weights @ values[:, :, None]) / weights.sum(axis=-1, keepdims=True)).reshape(B, H, L, -1)
+    out = weights.reshape(rows, heads, group * L, -1) @ values
+    return out.reshape(rows, heads, group, L, -1) / weights.sum(axis=-1, keepdims=True)
+
+
+def _part_sizes(rows: int, kv_heads: int, group: int, queries: int, keys: int) -> tuple[int, int, int]:
+    """Rows, kv heads (with their groups of query heads) and queries of a part whose scores are
+    about SCORES_IN_CACHE at most: whole rows where one fits, else kv heads, else spans of queries."""
+    per_head = group * queries * keys
+    if per_head * kv_heads <= SCORES_IN_CACHE:
+        return min(rows, SCORES_IN_CACHE // (per_head * kv_heads)), kv_heads, queries
+    if per_head <= SCORES_IN_CACHE:
+        return 1, min(kv_heads, SCORES_IN_CACHE // per_head), queries
+    spans = -(-per_head // SCORES_IN_CACHE)
+    return 1, 1, -(-queries // spans)
+
+
+def _by_kv_head(mask: mx.array, kv_heads: int) -> mx.array:
+    """A mask broadcastable to (B, H, L, T) as one broadcastable to (B, kv heads, group, L, T)."""
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    b, h = mask.shape[:2]
+    return (
+        mask.reshape(b, 1, 1, *mask.shape[2:]) if h == 1 else mask.reshape(b, kv_heads, h // kv_heads, *mask.shape[2:])
+    )
+
+
+def _mask_part(mask: mx.array, b: int, rows: int, h: int, heads: int, q: int, spans: int) -> mx.array:
+    return mask[
+        slice(None) if mask.shape[0] == 1 else slice(b, b + rows),
+        slice(None) if mask.shape[1] == 1 else slice(h, h + heads),
+        :,
+        slice(None) if mask.shape[3] == 1 else slice(q, q + spans),
+    ]
+
+
+def _concatenate(parts: list, axis: int) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
 @functools.cache

@@ -86,7 +86,10 @@ def causal(length, total):
     ],
     ids=["none", "causal", "bool", "bool per row", "bool per head", "bool per head for all queries", "additive"],
 )
-def test_the_compiled_softmax_attention_matches_mlx(mask):
+@pytest.mark.parametrize("in_cache", [10**6, 1350, 700, 300], ids=["whole", "by row", "by kv head", "by queries"])
+def test_the_compiled_softmax_attention_matches_mlx(mask, in_cache, monkeypatch):
+    """Whole, and in parts: 2 rows x 2 kv heads x 3 query heads x 5 queries x 45 keys = 2,700 scores."""
+    monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", in_cache)
     q, k, v = attention_inputs()
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     got = scaled_dot_product_attention(q, k, v, None, scale=0.25, mask=mask)
@@ -94,24 +97,34 @@ def test_the_compiled_softmax_attention_matches_mlx(mask):
     assert mx.allclose(got, want, rtol=1e-6, atol=1e-6).item(), mx.abs(got - want).max().item()
 
 
+@pytest.mark.parametrize(
+    "rows,kv_heads,group,queries,keys", [(4, 3, 3, 16, 2100), (1, 3, 3, 128, 2048), (8, 8, 4, 1, 900)]
+)
+def test_attention_parts_hold_at_most_one_query_row_past_the_cache(rows, kv_heads, group, queries, keys):
+    r, h, q = fused_ops._part_sizes(rows, kv_heads, group, queries, keys)
+    assert 1 <= r <= rows and 1 <= h <= kv_heads and 1 <= q <= queries
+    assert r * h * group * q * keys <= fused_ops.SCORES_IN_CACHE + group * keys
+    assert (r == 1 or h == kv_heads) and (h == 1 or q == queries)  # parts are whole rows, kv heads or spans
+
+
 def test_masked_and_negligible_scores_weigh_exactly_nothing():
-    scores = mx.array([[0.0, -mx.inf, -200.0, -79.0, 1.0, -0.5]])
-    weights = fused_ops.exp_below(scores, mx.array([[1.0]]))
-    assert weights[0, 1].item() == weights[0, 2].item() == 0.0 < weights[0, 3].item()
-    assert mx.allclose(weights, mx.exp(scores - 1.0), rtol=1e-6, atol=0).item()
+    shifted = mx.array([[-1.0, -mx.inf, -200.0, -88.5, -87.0, 0.0, -1.5]])
+    weights = fused_ops.exp_nonpositive(shifted)
+    assert weights[0, 1].item() == weights[0, 2].item() == weights[0, 3].item() == 0.0 < weights[0, 4].item()
+    assert mx.allclose(weights, mx.exp(shifted), rtol=1e-6, atol=0).item()
     wide = mx.random.normal((3, 300)) * 20
-    peak = wide.max(-1, keepdims=True)
-    assert mx.allclose(fused_ops.exp_below(wide, peak), mx.exp(wide - peak), rtol=1e-6, atol=1e-30).item()
+    wide = wide - wide.max(-1, keepdims=True)
+    assert mx.allclose(fused_ops.exp_nonpositive(wide), mx.exp(wide), rtol=1e-6, atol=1e-30).item()
 
 
-@pytest.mark.parametrize("case", ["sinks", "half precision", "scores past the cache"])
+@pytest.mark.parametrize("case", ["sinks", "half precision", "a query's scores past the cache"])
 def test_what_the_compiled_softmax_does_not_cover_is_mlx_lms_attention(case, monkeypatch):
     q, k, v = attention_inputs()
     sinks = mx.zeros((6,)) if case == "sinks" else None
     if case == "half precision":
         q, k, v = (x.astype(mx.bfloat16) for x in (q, k, v))
-    if case == "scores past the cache":
-        monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", q.size // 16 * 45 - 1)
+    if case == "a query's scores past the cache":  # 3 query heads of a kv head x 45 keys
+        monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", 3 * 45 - 1)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal", sinks=sinks)
     got = scaled_dot_product_attention(q, k, v, None, scale=0.25, mask="causal", sinks=sinks)
     assert mx.array_equal(got, want).item()
