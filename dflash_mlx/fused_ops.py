@@ -130,7 +130,9 @@ def exp_nonpositive(x: mx.array) -> mx.array:
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention` (the computation of MLX's own CPU fallback), with
     the compiled softmax where the scores are float32, in parts (`_part_sizes`) computed one
-    after another so that each part's scores stay in cache; mlx-lm's otherwise."""
+    after another so that each part's scores stay in cache; mlx-lm's otherwise.  A batch cache
+    that tells each row's keys in use (`key_spans`: a row's left padding and what lies past its
+    end are masked) has each row attend over its own keys alone."""
     B, H, L, _ = queries.shape
     kv_heads, T = keys.shape[1], keys.shape[2]
     group = H // kv_heads
@@ -141,22 +143,38 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
         mask = base.create_causal_mask(L, T - L)
     if mask is not None:
         mask = _by_kv_head(mask, kv_heads)
-    rows, heads, spans = _part_sizes(B, kv_heads, group, L, T)
-    last, by_row = None, []
-    for b in range(0, B, rows):
+    last, by_rows = None, []
+    for b, stop, first, end in _row_groups(cache, B, kv_heads, group, L, T):
+        _, heads, spans = _part_sizes(stop - b, kv_heads, group, L, end - first)
         by_head = []
         for h in range(0, kv_heads, heads):
             by_span = []
             for q in range(0, L, spans):
-                part = queries[b : b + rows, h : h + heads, :, q : q + spans]
+                part = queries[b:stop, h : h + heads, :, q : q + spans]
                 if last is not None:  # MLX would otherwise compute the parts side by side, all their scores at once
                     part = mx.depends(part, last)
-                part_mask = None if mask is None else _mask_part(mask, b, rows, h, heads, q, spans)
-                last = _attend(part, keys[b : b + rows, h : h + heads], values[b : b + rows, h : h + heads], part_mask)
+                part_keys, part_values = (x[b:stop, h : h + heads, first:end] for x in (keys, values))
+                part_mask = (
+                    None if mask is None else _mask_part(mask, (b, stop), (h, h + heads), (q, q + spans), (first, end))
+                )
+                last = _attend(part, part_keys, part_values, part_mask)
                 by_span.append(last)
             by_head.append(_concatenate(by_span, axis=3))
-        by_row.append(_concatenate(by_head, axis=1))
-    return _concatenate(by_row, axis=0).reshape(B, H, L, -1)
+        by_rows.append(_concatenate(by_head, axis=1))
+    return _concatenate(by_rows, axis=0).reshape(B, H, L, -1)
+
+
+def _row_groups(
+    cache, rows: int, kv_heads: int, group: int, queries: int, keys: int
+) -> list[tuple[int, int, int, int]]:
+    """(first row, last row + 1, first key, last key + 1) of each group of rows attending together:
+    rows of one key span, as many as a part holds; else (rows of different spans) one by one."""
+    spans = cache.key_spans() if hasattr(cache, "key_spans") else [(0, keys)] * rows
+    if len(set(spans)) > 1:
+        return [(b, b + 1, first, end) for b, (first, end) in enumerate(spans)]
+    first, end = spans[0]
+    together = _part_sizes(rows, kv_heads, group, queries, end - first)[0]
+    return [(b, min(b + together, rows), first, end) for b in range(0, rows, together)]
 
 
 def _attend(queries, keys, values, mask) -> mx.array:
@@ -193,12 +211,14 @@ def _by_kv_head(mask: mx.array, kv_heads: int) -> mx.array:
     )
 
 
-def _mask_part(mask: mx.array, b: int, rows: int, h: int, heads: int, q: int, spans: int) -> mx.array:
+def _mask_part(mask: mx.array, rows: tuple, heads: tuple, queries: tuple, keys: tuple) -> mx.array:
+    """The part of a (B|1, kv heads|1, group|1, L|1, T|1) mask for these rows, kv heads, queries and keys."""
     return mask[
-        slice(None) if mask.shape[0] == 1 else slice(b, b + rows),
-        slice(None) if mask.shape[1] == 1 else slice(h, h + heads),
+        slice(None) if mask.shape[0] == 1 else slice(*rows),
+        slice(None) if mask.shape[1] == 1 else slice(*heads),
         :,
-        slice(None) if mask.shape[3] == 1 else slice(q, q + spans),
+        slice(None) if mask.shape[3] == 1 else slice(*queries),
+        slice(None) if mask.shape[4] == 1 else slice(*keys),
     ]
 
 

@@ -130,6 +130,11 @@ class RaggedBatchKVCache(BatchKVCache):
         longest = max(ends) + n
         return self.keys[rows, :, :longest], self.values[rows, :, :longest]
 
+    def key_spans(self, rows: slice = slice(None)) -> list[tuple[int, int]]:
+        """Where each of `rows`' keys in use lie after the last write, from its left padding to
+        its end: of the keys update_and_fetch returned, all its attention sees (fused_ops)."""
+        return list(zip(self.left_padding[rows].tolist(), self.ends[rows]))
+
     def _reserve(self, keys, values, size: int):
         """Room for `size` tokens a row, grown by mlx-lm's step."""
         held = 0 if self.keys is None else self.keys.shape[2]
@@ -218,6 +223,9 @@ class RaggedRows:
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         return self.batch.make_mask(N, window_size=window_size, rows=self.rows)
+
+    def key_spans(self) -> list[tuple[int, int]]:
+        return self.batch.key_spans(self.rows)
 
 
 class BatchTrimmableKV:

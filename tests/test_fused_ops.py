@@ -107,6 +107,31 @@ def test_attention_parts_hold_at_most_one_query_row_past_the_cache(rows, kv_head
     assert (r == 1 or h == kv_heads) and (h == 1 or q == queries)  # parts are whole rows, kv heads or spans
 
 
+class RowsOfTheirOwnLength:
+    """A batch cache whose rows use keys of their own (RaggedBatchKVCache.key_spans)."""
+
+    def __init__(self, spans):
+        self.spans = spans
+
+    def key_spans(self):
+        return self.spans
+
+
+@pytest.mark.parametrize("in_cache", [10**6, 300], ids=["rows whole", "rows in parts"])
+def test_rows_attend_over_their_own_keys_alone(in_cache, monkeypatch):
+    """Left padding and tokens past a row's end are masked: leaving them out changes nothing."""
+    monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", in_cache)
+    q, k, v = attention_inputs()  # 2 rows, 5 queries, 45 keys
+    spans = [(30, 45), (3, 41)]  # row 0: 30 tokens of left padding; row 1: 3, and 4 it dropped past its end
+    keys = mx.arange(45)
+    mask = mx.stack([(keys >= first) & (keys <= end - 5 + mx.arange(5)[:, None]) for first, end in spans])[
+        :, None
+    ]  # (2, 1, 5, 45): row r's query i sits at end - 5 + i
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = scaled_dot_product_attention(q, k, v, RowsOfTheirOwnLength(spans), scale=0.25, mask=mask)
+    assert mx.allclose(got, want, rtol=1e-6, atol=1e-6).item(), mx.abs(got - want).max().item()
+
+
 def test_masked_and_negligible_scores_weigh_exactly_nothing():
     shifted = mx.array([[-1.0, -mx.inf, -200.0, -88.5, -87.0, 0.0, -1.5]])
     weights = fused_ops.exp_nonpositive(shifted)
