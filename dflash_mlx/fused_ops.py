@@ -168,12 +168,13 @@ def _row_groups(
     cache, rows: int, kv_heads: int, group: int, queries: int, keys: int
 ) -> list[tuple[int, int, int, int]]:
     """(first row, last row + 1, first key, last key + 1) of each group of rows attending together:
-    rows of one key span, as many as a part holds; else (rows of different spans) one by one."""
+    all rows over the keys any of them uses where one part holds them, else rows of one key span
+    as many as a part holds, else (rows of different spans) one by one."""
     spans = cache.key_spans() if hasattr(cache, "key_spans") else [(0, keys)] * rows
-    if len(set(spans)) > 1:
-        return [(b, b + 1, first, end) for b, (first, end) in enumerate(spans)]
-    first, end = spans[0]
+    first, end = min(f for f, _ in spans), max(e for _, e in spans)
     together = _part_sizes(rows, kv_heads, group, queries, end - first)[0]
+    if together < rows and len(set(spans)) > 1:
+        return [(b, b + 1, f, e) for b, (f, e) in enumerate(spans)]
     return [(b, min(b + together, rows), first, end) for b in range(0, rows, together)]
 
 
