@@ -115,11 +115,11 @@ SCORES_IN_CACHE = 524_288  # score elements (2 MB) an attention part keeps in ca
 @mx.compile
 def exp_nonpositive(x: mx.array) -> mx.array:
     """exp(x) for x <= 0 (-inf and below -88: 0) in loops the C++ compiler vectorises: no select
-    (a branch), no broadcast input (a strided loop); the fraction is computed again from x rather
-    than from the power of two's rounding (the compile then splits it into fewer kernels)."""
+    (a branch), no broadcast input (a strided loop); the fraction rounds the power again (the other
+    way round, the same integer) rather than reusing the power of two's rounding (the compile then
+    splits it into fewer kernels)."""
     powers = mx.maximum(x * LOG2_E, EXP2_FLOOR)
     two_to_whole = mx.left_shift(((powers + ROUNDING) - ROUNDING).astype(mx.int32) + 127, 23).view(mx.float32)
-    powers = mx.maximum(x * LOG2_E, EXP2_FLOOR)
     fraction = powers - ((powers - ROUNDING) + ROUNDING)
     polynomial = mx.array(EXP_POLYNOMIAL[0], dtype=mx.float32)
     for coefficient in EXP_POLYNOMIAL[1:]:
