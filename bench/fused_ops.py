@@ -1,7 +1,7 @@
 """One target forward in our CPU forms (fused_ops.py: norms and RoPEs compiled, matmul
 weights column-major) against mlx-lm's own ops on row-major weights; or, with `--attention`,
-one layer's attention alone (SmolLM2's 9 query heads on 3 kv heads of 64), ours (the compiled
-softmax, in parts) against `mx.fast.scaled_dot_product_attention`.
+one layer's attention alone (SmolLM2's 9 query heads on 3 kv heads of 64), ours (in parts,
+with the C++ row softmax where it is built) against `mx.fast.scaled_dot_product_attention`.
 
     python bench/fused_ops.py [--shapes 1x1,1x2,1x4,1x8,4x1,8x1] [--context 300] [--repeats 40]
     python bench/fused_ops.py --attention [--shapes 1x16x2500,4x16x2100,1x128x2048,1x16x8000]

@@ -14,15 +14,17 @@ both kernels sum alike (an AVX2 machine here), within float32 rounding where the
 (an AVX-512 one: ~1e-6).  An untied Embedding's lookups then read strided rows, a few per
 decode step.
 
-Attention's softmax, with its exp in compiled multiply-adds: on an x86 CPU, MLX evaluates
-exp one lane at a time with a library fma per polynomial term (~12 ns an element), and a
-pass's scores over a long context are most of its attention.  The same polynomial in plain
-multiply-adds, compiled into loops the C++ compiler vectorises, costs ~2 ns while the scores
-stay in cache, so a pass's attention is computed in parts (rows of a batch, kv heads, spans
-of queries) one after another, each part's scores 2 MB at most: one layer's attention of a
-4-row verify of 16 tokens over 2,100, or of a 128-token prefill chunk over 2,048, in about half
-MLX's time (bench/fused_ops.py --attention).  Within ~3e-7 of MLX's (tests/test_fused_ops.py),
-as passes of different widths are of each other.
+Attention's softmax, in C++ (cpu_kernels.py: max, exp, sum and scale in one pass per row, 16
+lanes at a time) where that kernel is built, else in MLX ops with the exp in compiled
+multiply-adds: on an x86 CPU, MLX evaluates exp one lane at a time with a library fma per
+polynomial term (~12 ns an element), and its max and sum one element at a time, and a pass's
+scores over a long context are most of its attention.  Either way a pass's attention is computed
+in parts (rows of a batch, kv heads, spans of queries) one after another, each part's scores 2 MB
+at most, so that they stay in cache from the product that writes them to the one that reads
+them: one layer's attention of a 4-row verify of 16 tokens over 2,100, or of a 128-token prefill
+chunk over 2,048, in a quarter of MLX's time with the kernel, half without
+(bench/fused_ops.py --attention).  Within ~3e-7 of MLX's (tests/test_fused_ops.py), as passes
+of different widths are of each other.
 
 On a GPU the norms, RoPE and attention are single kernels already and the matmuls are not
 BLAS, so nothing is done there (bench/fused_ops.py measures the step).
@@ -44,6 +46,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
+
+from .cpu_kernels import row_softmax_kernel
 
 NORMS = (nn.RMSNorm, nn.LayerNorm)
 ROPES = (nn.RoPE, Llama3RoPE, SuScaledRoPE)  # called as (x, offset): offset an int or an array
@@ -129,7 +133,7 @@ def exp_nonpositive(x: mx.array) -> mx.array:
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention` (the computation of MLX's own CPU fallback), with
-    the compiled softmax where the scores are float32, in parts (`_part_sizes`) computed one
+    our softmax where the scores are float32, in parts (`_part_sizes`) computed one
     after another so that each part's scores stay in cache; mlx-lm's otherwise.  A batch cache
     that tells each row's keys in use (`key_spans`: a row's left padding and what lies past its
     end are masked) has each row attend over its own keys alone."""
@@ -183,6 +187,10 @@ def _attend(queries, keys, values, mask) -> mx.array:
     queries against its keys in one product."""
     rows, heads, group, L, _ = queries.shape
     scores = (queries.reshape(rows, heads, group * L, -1) @ keys.swapaxes(-1, -2)).reshape(rows, heads, group, L, -1)
+    softmax = row_softmax_kernel()
+    if softmax is not None:
+        out = softmax(scores, mask).reshape(rows, heads, group * L, -1) @ values
+        return out.reshape(rows, heads, group, L, -1)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
     weights = exp_nonpositive(scores - scores.max(axis=-1, keepdims=True))
@@ -289,6 +297,7 @@ def fuse(model: nn.Module) -> nn.Module:
     """`model` with its norms and RoPEs compiled, its attention's softmax compiled and its matmul
     weights column-major, where fusing(); returns the model."""
     if fusing():
+        row_softmax_kernel()  # built now (once per machine), not in the middle of a first request
         modules = model.named_modules()
         inside = {path for path, m in modules if isinstance(m, STAND_INS)}  # fused already
         fresh = [(path, m) for path, m in modules if path and path.rpartition(".")[0] not in inside]

@@ -167,7 +167,7 @@ def block_attention_mlx(queries, keys, values, context: Optional[ContextSpan], *
         keys = mx.concatenate([context.keys[..., span, :], keys], axis=2)
         values = mx.concatenate([context.values[..., span, :], values], axis=2)
     mask = block_visibility(queries.shape[2], length, causal, window)
-    if fusing():  # the compiled softmax (fused_ops.py)
+    if fusing():  # our softmax (fused_ops.py)
         return scaled_dot_product_attention(queries, keys, values, None, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 

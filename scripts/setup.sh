@@ -22,4 +22,8 @@ python3 -m venv .venv
 # z-lab's own implementation, a test oracle (tests/test_zlab_parity.py); its declared
 # dependencies (torch, datasets, pinned mlx) are not needed for its MLX module
 .venv/bin/python -m pip install -q --no-deps "dflash==0.1.0"
+# the CPU kernels are built for this machine now rather than on the first model load
+if [ "$(uname -s)" = Linux ]; then
+  .venv/bin/python -c "from dflash_mlx.cpu_kernels import row_softmax_kernel; row_softmax_kernel()"
+fi
 echo "ready: .venv/bin/dflash-mlx"

@@ -87,9 +87,13 @@ def causal(length, total):
     ids=["none", "causal", "bool", "bool per row", "bool per head", "bool per head for all queries", "additive"],
 )
 @pytest.mark.parametrize("in_cache", [10**6, 1350, 700, 300], ids=["whole", "by row", "by kv head", "by queries"])
-def test_the_compiled_softmax_attention_matches_mlx(mask, in_cache, monkeypatch):
-    """Whole, and in parts: 2 rows x 2 kv heads x 3 query heads x 5 queries x 45 keys = 2,700 scores."""
+@pytest.mark.parametrize("softmax", ["kernel", "mlx form"])
+def test_the_compiled_softmax_attention_matches_mlx(mask, in_cache, softmax, monkeypatch):
+    """Whole, and in parts: 2 rows x 2 kv heads x 3 query heads x 5 queries x 45 keys = 2,700 scores;
+    with the C++ row softmax (cpu_kernels.py), and with the softmax MLX ops compose where it is not built."""
     monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", in_cache)
+    if softmax == "mlx form":
+        monkeypatch.setattr(fused_ops, "row_softmax_kernel", lambda: None)
     q, k, v = attention_inputs()
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     got = scaled_dot_product_attention(q, k, v, None, scale=0.25, mask=mask)

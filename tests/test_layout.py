@@ -25,6 +25,7 @@ LOOP = {
     "grammar",
     "kernels",
     "fused_ops",
+    "cpu_kernels",
     "prompt_cache",
     "drafters",
 }
@@ -111,7 +112,7 @@ def test_subpackages_import_each_other_one_way():
 def test_every_subpackage_is_packaged():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     on_disk = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
-    assert on_disk | {"dflash_mlx.metal", "dflash_mlx.weights"} == set(config["packages"])
+    assert on_disk | {"dflash_mlx.metal", "dflash_mlx.cpu", "dflash_mlx.weights"} == set(config["packages"])
 
 
 def test_shipped_weights_are_package_data():
