@@ -346,7 +346,7 @@ def monotone(values: list[float]) -> list[float]:
 
 def costs_path(key: str, cache_root: Path) -> Path:
     """Where the cost model of (`key`, this machine) is stored."""
-    name = f"{key}-{machine_key()}-v8".replace("/", "_").replace(" ", "_")  # v8: attention in compiled parts on a CPU
+    name = f"{key}-{machine_key()}-v9".replace("/", "_").replace(" ", "_")  # v9: the C++ row softmax on a CPU
     return cache_root / "costs" / f"{name}.json"
 
 
