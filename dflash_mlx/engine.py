@@ -41,9 +41,9 @@ from .sampling import SamplingParams, accept, choose
 from .target import BatchTargetCache, TargetCache
 
 PREFILL_STEP = 512  # prompt tokens a step prefills (the decoding rows wait for them once a step)
-# On a CPU, MLX's attention computes every score of a pass's queries against its own keys, the
-# masked half too, with a scalar exp: four passes of 128 cost less than one of 512 (docs/serving.md)
-CPU_PREFILL_PASS = 128
+# On a CPU a pass's attention computes every score of its queries against its own keys, the
+# masked half too: passes of 256 and 512 time alike there, 128 ~5% dearer (docs/serving.md)
+CPU_PREFILL_PASS = 256
 SHARED_MIN = 64  # a prefix shared with a prompt being prefilled worth waiting for (keeping its state costs a copy)
 
 

@@ -127,6 +127,7 @@ def test_attention_uses_the_kernel_where_it_is_built(softmax, monkeypatch):
     )
     q, k, v = (mx.random.normal((2, 4, 3, 8)), mx.random.normal((2, 2, 9, 8)), mx.random.normal((2, 2, 9, 8)))
     got = scaled_dot_product_attention(q, k, v, None, 0.3, "causal")
-    assert calls and mx.allclose(
-        got, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal"), atol=1e-6
-    ).item()
+    assert (
+        calls
+        and mx.allclose(got, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal"), atol=1e-6).item()
+    )
