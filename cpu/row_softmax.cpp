@@ -151,17 +151,22 @@ class RowSoftmax : public mx::Primitive {
     throw std::runtime_error("row_softmax runs on a CPU stream only");
   }
 
+  // The softmax's gradient, for the scores and for an additive mask alike (a boolean mask has none)
   std::vector<mx::array> vjp(
       const std::vector<mx::array>& primals,
       const std::vector<mx::array>& cotangents,
-      const std::vector<int>&,
+      const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override {
-    if (primals.size() > 1) {
-      throw std::invalid_argument("row_softmax: no gradient through a mask");
-    }
     const mx::array& y = outputs[0];
     const mx::array& dy = cotangents[0];
-    return {mx::multiply(y, mx::subtract(dy, mx::sum(mx::multiply(dy, y, stream()), -1, true, stream()), stream()), stream())};
+    mx::array along = mx::sum(mx::multiply(dy, y, stream()), -1, true, stream());
+    mx::array grad = mx::multiply(y, mx::subtract(dy, along, stream()), stream());
+    std::vector<mx::array> grads;
+    for (int argnum : argnums) {
+      bool boolean = argnum == 1 && primals[1].dtype() == mx::bool_;
+      grads.push_back(boolean ? mx::zeros_like(primals[1], stream()) : grad);
+    }
+    return grads;
   }
 
   const char* name() const override {

@@ -1,6 +1,6 @@
 """The C++ row softmax (cpu/row_softmax.cpp): built here, equal to a float64 softmax within float32
-rounding, lazy and in place only where its input is not needed, with MLX's gradient; a build
-that fails says why once and leaves attention its MLX form."""
+rounding, masks applied, lazy and in place only where its input is not needed, with MLX's
+gradient; a build that fails says why once and leaves attention its MLX form."""
 
 import re
 import sys
@@ -82,11 +82,21 @@ def test_its_gradient_is_the_softmax_gradient(softmax):
     assert mx.allclose(ours, mlx, rtol=1e-5, atol=1e-6).item()
 
 
-def test_non_float32_scores_and_gradients_through_a_mask_are_refused(softmax):
+def test_its_gradient_through_a_mask_is_mlxs(softmax):
+    x, w = mx.random.normal((2, 3, 21)), mx.random.normal((2, 3, 21))
+    keep = (mx.random.uniform(shape=(2, 1, 21)) < 0.7) | (mx.arange(21) == 0)
+    ours = mx.grad(lambda x: (softmax(x, keep) * w).sum())(x)
+    mlx = mx.grad(lambda x: (mx.softmax(mx.where(keep, x, -mx.inf), axis=-1) * w).sum())(x)
+    assert mx.allclose(ours, mlx, rtol=1e-5, atol=1e-6).item()
+    add = mx.random.normal((1, 3, 21))
+    ours = mx.grad(lambda x, add: (softmax(x, add) * w).sum(), argnums=(0, 1))(x, add)
+    mlx = mx.grad(lambda x, add: (mx.softmax(x + add, axis=-1) * w).sum(), argnums=(0, 1))(x, add)
+    assert all(mx.allclose(a, b, rtol=1e-5, atol=1e-6).item() for a, b in zip(ours, mlx))
+
+
+def test_non_float32_scores_are_refused(softmax):
     with pytest.raises(ValueError, match="float32"):
         softmax(mx.zeros((2, 3), dtype=mx.float16))
-    with pytest.raises(ValueError, match="mask"):
-        mx.grad(lambda x: softmax(x, mx.ones((2, 3), dtype=mx.bool_)).sum())(mx.zeros((2, 3)))
 
 
 @pytest.mark.parametrize(
