@@ -113,7 +113,7 @@ def build_command(output: Path) -> list[str]:
     return command
 
 
-def build(quiet: bool = False) -> Path:
+def build() -> Path:
     """The kernels' library, built if this machine has none yet (two processes: one builds,
     the other waits and loads it)."""
     output = library_path()
@@ -122,8 +122,7 @@ def build(quiet: bool = False) -> Path:
             return output
         output.parent.mkdir(parents=True, exist_ok=True)
         partial = output.with_name(f".{output.name}.{os.getpid()}")
-        if not quiet:
-            print("dflash-mlx: building the CPU softmax kernel for this machine (once, ~10 s)", file=sys.stderr)
+        print("dflash-mlx: building the CPU softmax kernel for this machine (once, ~10 s)", file=sys.stderr)
         try:
             done = subprocess.run(build_command(partial), capture_output=True, text=True)
         except OSError as e:
@@ -144,7 +143,7 @@ def load(path: Path):
 
 
 @cache
-def row_softmax_kernel() -> Optional[Callable[[mx.array], mx.array]]:
+def row_softmax_kernel() -> Optional[Callable[..., mx.array]]:
     """The row softmax kernel, built and loaded (checked on a small input), or None with one
     warning saying why (attention then keeps its MLX form)."""
     try:
@@ -157,5 +156,7 @@ def row_softmax_kernel() -> Optional[Callable[[mx.array], mx.array]]:
         reason = str(e)
     except (ImportError, TypeError) as e:  # an MLX built against another nanobind
         reason = f"it does not load into this MLX ({str(e).splitlines()[0]})"
+    except OSError as e:
+        reason = f"it cannot be kept in {cache_dir()} ({e.strerror}); set DFLASH_MLX_CACHE to a writable folder"
     warnings.warn(f"dflash-mlx: no CPU softmax kernel: {reason}; attention runs at MLX's speed", stacklevel=2)
     return None

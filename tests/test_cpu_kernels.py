@@ -121,6 +121,18 @@ def test_a_failed_build_warns_once_and_attention_keeps_its_mlx_form(compiler, re
         cpu_kernels.row_softmax_kernel.cache_clear()  # the next test loads the machine's build again
 
 
+def test_a_cache_that_cannot_be_written_warns_once(tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(blocked))  # a folder cannot be made under a file
+    cpu_kernels.row_softmax_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="set DFLASH_MLX_CACHE to a writable folder"):
+            assert cpu_kernels.row_softmax_kernel() is None
+    finally:
+        cpu_kernels.row_softmax_kernel.cache_clear()
+
+
 def test_the_library_is_kept_per_machine_mlx_nanobind_and_python(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     path = cpu_kernels.library_path()
