@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from .io.storage import cache_dir, file_lock
+from .io.storage import cache_dir, file_lock, shipped
 
 MODULE = "_row_softmax"
 NANOBIND_DOMAIN = "mlx"  # MLX's Python module binds mx.array in this nanobind domain
@@ -40,11 +40,13 @@ class BuildError(RuntimeError):
 
 
 def source() -> Path:
-    package = Path(__file__).parent
-    for folder in (package / "cpu", package.parent / "cpu"):  # installed wheel, source checkout
-        if (folder / "row_softmax.cpp").is_file():
-            return folder / "row_softmax.cpp"
-    raise BuildError(f"its source (cpu/row_softmax.cpp) is not next to {package}; reinstall the package")
+    try:
+        path = shipped("cpu") / "row_softmax.cpp"
+    except FileNotFoundError as e:
+        raise BuildError(str(e)) from None
+    if not path.is_file():
+        raise BuildError(f"its source ({path}) is missing; reinstall the package")
+    return path
 
 
 def _machine() -> str:

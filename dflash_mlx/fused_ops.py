@@ -294,8 +294,9 @@ def _restore_weights(model: nn.Module, layout) -> None:
 
 
 def fuse(model: nn.Module) -> nn.Module:
-    """`model` with its norms and RoPEs compiled, its attention's softmax compiled and its matmul
-    weights column-major, where fusing(); returns the model."""
+    """`model` with its norms and RoPEs compiled, its attention's softmax ours (the C++ kernel,
+    built here when it is not yet) and its matmul weights column-major, where fusing(); returns
+    the model."""
     if fusing():
         row_softmax_kernel()  # built now (once per machine), not in the middle of a first request
         modules = model.named_modules()

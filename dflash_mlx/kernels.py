@@ -25,6 +25,7 @@ from typing import Optional, Union
 import mlx.core as mx
 
 from .fused_ops import fusing, scaled_dot_product_attention
+from .io.storage import shipped
 
 BACKENDS = ("auto", "metal", "mlx")
 ATTENTION_SIMDGROUPS = 8
@@ -89,11 +90,10 @@ def source(kernel: str) -> str:
 
 @cache
 def _metal_dir() -> Path:
-    package = Path(__file__).parent
-    for candidate in (package / "metal", package.parent / "metal"):  # installed wheel, source checkout
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"dflash-mlx: kernel sources (metal/) not found next to {package}; reinstall the package")
+    try:
+        return shipped("metal")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"dflash-mlx: {e}") from None
 
 
 @cache

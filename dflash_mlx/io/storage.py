@@ -6,6 +6,7 @@ writes that are all-or-nothing.
                     writer if its process died some other way (its name holds the pid)
     file_lock(path) one process at a time (two first uses of the default model)
     writable(dir)   checked before long work, so it never fails at its end
+    shipped(folder) a folder of kernel sources shipped with the package (metal/, cpu/)
 """
 
 import errno
@@ -25,6 +26,16 @@ CACHE_ENV = "DFLASH_MLX_CACHE"
 def cache_dir() -> Path:
     """$DFLASH_MLX_CACHE (when set and not empty), else ~/.cache/dflash-mlx."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dflash-mlx").expanduser()
+
+
+def shipped(folder: str) -> Path:
+    """A folder of kernel sources shipped with the package: dflash_mlx/<folder> when installed,
+    <folder> at the top of the repo in a source checkout."""
+    package = Path(__file__).parent.parent
+    for candidate in (package / folder, package.parent / folder):  # installed wheel, source checkout
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"kernel sources ({folder}/) not found next to {package}; reinstall the package")
 
 
 def looks_like_path(name: str) -> bool:
