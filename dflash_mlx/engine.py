@@ -270,16 +270,19 @@ class Decoder:
             self.fill_cache = self._joined(self.fill_cache, [tcache])
 
     def _awaited(self, row: Request) -> Optional[tuple[Request, int]]:
-        """The filling request that has not yet prefilled the SHARED_MIN or more tokens its prompt
-        shares with `row`'s, and how many of them `row` restores once it has (where caches cannot
-        be cut back, up to the last snapshot inside)."""
-        if self.prompt_cache is None or not (self._cut_back(row) or self.snapshot_every):
+        """The filling request that has not yet prefilled the tokens its prompt shares with `row`'s,
+        SHARED_MIN or more of them beyond what the prompt cache holds for `row` already (two turns
+        of one conversation, say, differ only in their new tokens: waiting would save none), and
+        how many of them `row` restores once it has (where caches cannot be cut back, up to the
+        last snapshot inside)."""
+        if self.prompt_cache is None or not (self._cut_back(row) or self.snapshot_every) or not self.filling:
             return None
+        covered = self.prompt_cache.covered(row.prompt[:-1])
         for other in self.filling:
             shared = shared_length(other.prompt, row.prompt[:-1])
             if self.snapshot_every:
                 shared -= shared % self.snapshot_every
-            if shared >= SHARED_MIN and len(other.prompt) - len(other.unfilled) < shared:
+            if shared - covered >= SHARED_MIN and len(other.prompt) - len(other.unfilled) < shared:
                 return other, shared
         return None
 

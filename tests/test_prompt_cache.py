@@ -108,8 +108,9 @@ def test_shared_length_counts_the_common_beginning():
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
 def test_requests_arriving_together_on_one_long_prefix_prefill_it_once(model_type, monkeypatch):
     """Parallel agent sessions on one system prompt: the second and third wait for the first's
-    prefill to pass what they share and restore it (up to the last snapshot inside it where
-    states cannot be cut back); a prefix shorter than SHARED_MIN is not waited for.  Every
+    prefill to pass what they share and restore it (where states cannot be cut back, its
+    snapshots until those still to come would save less than SHARED_MIN); a prefix shorter than
+    SHARED_MIN is not waited for.  Every
     answer is the cold one.  (One prefill pass a step, as on a GPU: where the waits end
     depends on it.)"""
     monkeypatch.setattr(engine, "CPU_PREFILL_PASS", engine.PREFILL_STEP)
@@ -120,10 +121,36 @@ def test_requests_arriving_together_on_one_long_prefix_prefill_it_once(model_typ
     cache = PromptCache(snapshot_every=32)
     answers = run_batched(model, prompts, cache)
     restored = [cached for _, cached in answers]
-    shared = len(system) if model_type == "llama" else len(system) - len(system) % 32
-    assert restored[0] == 0 and restored[1] == shared and restored[2] == 0
-    assert restored[3] == (len(prompts[3]) - 1 if model_type == "llama" else shared)
+    assert restored[0] == 0 and restored[2] == 0
+    if model_type == "llama":
+        assert restored[1] == len(system) and restored[3] == len(prompts[3]) - 1
+    else:  # it waits while the snapshots still to come would save it SHARED_MIN tokens or more
+        shared = len(system) - len(system) % 32
+        assert restored[1] % 32 == 0 and 0 < shared - restored[1] < SHARED_MIN
+        assert restored[3] % 32 == 0 and restored[3] >= restored[1]
     assert [answer for answer, _ in answers] == [run(model, prompt)[0] for prompt in prompts]
+
+
+def test_a_request_does_not_wait_for_a_prefill_that_would_give_it_little_more_than_the_cache_holds():
+    """Two sessions' next turns on a system prompt the cache holds already: they share a few more
+    tokens (fewer than SHARED_MIN) than it holds, so the second does not wait for the first's
+    prefill to pass them; both get their first token in the same step, as cold."""
+    target = tiny_target("qwen3", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    system = list(range(100, 100 + SHARED_MIN + 20))
+    cache = PromptCache()
+    run(model, system, cache)
+    common = list(range(300, 310))
+    prompts = [system + common + [5, 6, 7], system + common + [8, 9]]
+    decoder = Decoder(model, cache, max_batch=2)
+    requests = [Request(prompt, 24) for prompt in prompts]
+    for request in requests:
+        decoder.add(request)
+    assert set(decoder.step().steps) == {request.uid for request in requests}
+    while decoder.busy:
+        decoder.step()
+    assert [r.stats.cached_tokens for r in requests] == [len(system), len(system)]
+    assert [r.output for r in requests] == [run(model, prompt)[0] for prompt in prompts]
 
 
 def test_a_request_restores_what_it_shares_with_a_row_decoding():
