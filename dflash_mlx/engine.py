@@ -195,12 +195,8 @@ class Decoder:
         and what they decoded is kept in the prompt cache (a chat's next turn starts from it) and
         in the model's store of answers (later requests copy from it)."""
         leaving = [i for i, row in enumerate(self.rows) if row.uid in uids]
-        for i in leaving:
-            if self.rows[i].suffixes is not None:
-                self.rows[i].suffixes.add(self.rows[i].prompt, self.rows[i].output)
-        if self.prompt_cache is not None:
-            with mx.stream(self.stream):
-                self._keep_answers(leaving)
+        with mx.stream(self.stream):
+            self._keep_answers(leaving)
         self.waiting = [row for row in self.waiting if row.uid not in uids]
         self.filling, self.fill_cache = self._without(self.filling, self.fill_cache, uids)
         self.rows, self.cache = self._without(self.rows, self.cache, uids)
@@ -237,7 +233,15 @@ class Decoder:
                 j = self._queued.uids.index(row.uid)
                 row.context.add(None if self._queued.features is None else self._queued.features[j : j + 1, :1])
                 fed = row.prompt + row.output
-            self.prompt_cache.store(fed, self.cache.extract(i), row.context.flush())
+            self._keep_answer(row, self.cache, i, fed)
+
+    def _keep_answer(self, row: Request, cache, i: int, fed: list[int]) -> None:
+        """A leaving row's answer into the model's store of answers, and its state (row `i` of
+        `cache`, holding the tokens `fed`) into the prompt cache."""
+        if row.suffixes is not None:
+            row.suffixes.add(row.prompt, row.output)
+        if self.prompt_cache is not None:
+            self.prompt_cache.store(fed, cache.extract(i), row.context.flush())
 
     # ------------------------------------------------------------ joining
 
@@ -320,7 +324,8 @@ class Decoder:
     def _fill(self, steps: dict, size: int) -> bool:
         """The next chunk of every filling row's prompt, in one target pass (right-padded to the
         longest chunk, `size` tokens in all); the rows whose prompt is in have their first token
-        chosen from its logits (their Step goes into `steps`) and join the decoding rows.
+        chosen from its logits (their Step goes into `steps`) and join the decoding rows, but for
+        those it answers whole (max_tokens 1: a prompt prefilled for later), kept there and then.
         Whether any did."""
         rows, tic = self.filling, self.clock()
         # where caches can be cut back, a row's state is kept once it has passed what a waiting
@@ -360,13 +365,18 @@ class Decoder:
         done = list(firsts)
         if len(done) < len(rows):
             mx.clear_cache()  # a long prompt's chunks: their activations are not kept
-        if len(done) == len(rows):  # all in: their batch becomes (or joins) the decoding one, not copied
+        entering = [i for i in done if rows[i].left > 0]
+        for i in done:
+            if rows[i].left <= 0:  # answered by its first token (a prompt prefilled for later): kept, never decoding
+                self._keep_answer(rows[i], self.fill_cache, i, rows[i].prompt)
+        if len(entering) == len(rows):  # all in: their batch becomes (or joins) the decoding one, not copied
             joining, self.filling, self.fill_cache = self.fill_cache, [], None
             self._enter(rows, joining)
         elif done:
-            joining = self._joined(None, [self.fill_cache.extract(i) for i in done])
+            joining = [self.fill_cache.extract(i) for i in entering]
             self.filling, self.fill_cache = self._without(rows, self.fill_cache, {rows[i].uid for i in done})
-            self._enter([rows[i] for i in done], joining)
+            if entering:
+                self._enter([rows[i] for i in entering], self._joined(None, joining))
         return bool(done)
 
     def _chunk_length(self, row: Request, span: int) -> int:

@@ -153,6 +153,33 @@ def test_a_request_does_not_wait_for_a_prefill_that_would_give_it_little_more_th
     assert [r.output for r in requests] == [run(model, prompt)[0] for prompt in prompts]
 
 
+def test_a_prompt_prefilled_for_later_is_kept_without_joining_the_decoding_rows(monkeypatch):
+    """A one-token request (the server's prefill of a next turn) beside a decoding row: kept in
+    the prompt cache when its prefill ends, the decoding batch neither widened nor narrowed for
+    it (each costs a copy of every row), and the decoding row's answer as alone."""
+    target = tiny_target("qwen3", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    cache = PromptCache()
+    decoder = Decoder(model, cache, max_batch=3)
+    decoding = Request(SYSTEM + [5, 6], 24)
+    decoder.add(decoding)
+    decoder.step()
+    decoder.step()
+    reshaped = []
+    for name in ("extend", "keep_rows"):
+        monkeypatch.setattr(decoder.cache, name, lambda *args, name=name: reshaped.append(name))
+    later = Request(SYSTEM[::-1] + [7], 1)
+    decoder.add(later)
+    assert later.uid in decoder.step().steps
+    assert decoder.rows == [decoding] and not reshaped
+    monkeypatch.undo()
+    assert cache.covered(later.prompt) == len(later.prompt)
+    while decoder.busy:
+        decoder.step()
+    assert decoding.output == run(model, decoding.prompt)[0]
+    assert run(model, later.prompt + [9], cache)[1] == len(later.prompt)
+
+
 def test_a_request_restores_what_it_shares_with_a_row_decoding():
     """A prompt shorter than a prefill chunk is not kept when its prefill ends; a request asking
     it again (or sharing its beginning) while its answer is being written restores it from the
