@@ -13,6 +13,7 @@ def scripted_batch(reply):
         for i, text in enumerate(pieces):
             yield SimpleNamespace(
                 text=text,
+                tokens=[1000 + i],
                 finish_reason="stop" if i == len(pieces) - 1 else None,
                 prompt_tokens=len(prompt),
                 generation_tokens=i + 1,

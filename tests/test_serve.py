@@ -526,6 +526,47 @@ def test_concurrent_requests_are_batched_and_each_is_exact(served):
     ]
 
 
+def test_an_idle_prefill_runs_beside_a_full_batch_unless_a_running_answer_holds_it(served, monkeypatch):
+    """Where requests batch, the worker keeps a row beyond max_batch for idle prefills: a
+    conversation's next turn is prefilled while max_batch answers are being written.  An idle
+    prompt that a running job's prompt and answer so far already hold (its text reads back as
+    the model wrote it) is not prefilled again."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.serve import worker
+    from dflash_mlx.serve.worker import Job
+    from scripted_engine import slow_batch
+
+    _, model, tokenizer, _, _ = served
+    inserted = []
+
+    class Recording(slow_batch(pieces=30, seconds_per_step=0.02)):
+        def insert(self, prompt, max_tokens, **options):
+            inserted.append(tuple(prompt))
+            return super().insert(prompt, max_tokens, **options)
+
+    monkeypatch.setattr(worker, "BatchGenerator", Recording)
+    engine = worker.Worker(model, tokenizer, 4, max_batch=2, prompt_cache=SimpleNamespace(covered=lambda tokens: 0))
+    engine.idle_prefill_min_tokens = 2
+    try:
+        jobs = [engine.submit(Job([9, k], 30, {})) for k in range(2)]
+        while len(engine.active) < 2:
+            time.sleep(0.005)
+        while not engine.active[next(iter(engine.active))][0].output[2:]:
+            time.sleep(0.005)
+        engine.prefill_when_idle([9, 0, 1000, 1001])  # job 0's answer so far: held, nothing to do
+        while engine.idle_prompts:
+            time.sleep(0.005)
+        engine.prefill_when_idle([9, 1, 1000, 5, 6, 7])  # departs from job 1's answer: prefilled
+        deadline = time.monotonic() + 10
+        while len(inserted) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert all(worker.DONE not in list(job.events.queue) for job in jobs), "not prefilled beside them"
+        assert inserted == [(9, 0), (9, 1), (9, 1, 1000, 5, 6, 7)]
+    finally:
+        engine.stop()
+
+
 def test_a_request_stops_an_idle_prefill_or_waits_for_its_own(served, monkeypatch):
     """The idle prefill yields to a request of another conversation (removed before it is in), and
     holds back a request continuing its own conversation until it is in."""

@@ -14,7 +14,7 @@ anthropic = pytest.importorskip("anthropic", reason="the dev extra installs the 
 langchain_openai = pytest.importorskip("langchain_openai", reason="the dev extra installs langchain-openai")
 
 from dflash_mlx import generate, load, stream_generate  # noqa: E402
-from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
+from dflash_mlx.serve import app, make_app, serve_in_background, worker  # noqa: E402
 from dflash_mlx.serve.protocol import next_turn_tokens  # noqa: E402
 from scripted_engine import scripted_batch  # noqa: E402
 
@@ -179,6 +179,32 @@ def test_the_next_turn_is_prefilled_while_the_client_acts(live, api, least, monk
     assert cached == len(follow) if least == 1 else len(follow) - least < cached < len(follow)
     wait_idle(live.server)  # its own next turn's prefill: the model is not shared while it runs
     assert text == generate(live.model, live.tokenizer, chat_ids(live.tokenizer, nxt), max_tokens=8)
+
+
+def test_an_answer_is_offered_for_prefill_as_it_grows(live, monkeypatch):
+    """While an answer is written, the conversation with its text so far (but the last
+    ANSWER_TAIL tokens, which may read back otherwise once more text follows) is offered to the
+    engine every ANSWER_FOLLOW_EVERY tokens, each a prefix of what the next request renders,
+    then the whole turn once it is out; the next turn answers as offline generation does."""
+    monkeypatch.setattr(live.server, "next_turn_prefill", True)
+    monkeypatch.setattr(app, "ANSWER_FOLLOW_EVERY", 8)
+    offered, offer = [], live.server.worker.prefill_when_idle
+    monkeypatch.setattr(live.server.worker, "prefill_when_idle", lambda tokens: offered.append(tokens) or offer(tokens))
+    system, messages = "You write long answers.", [{"role": "user", "content": "tell me about the cat"}]
+    with live.anthropic.messages.stream(model="tiny", max_tokens=40, system=system, messages=messages) as stream:
+        answer = stream.get_final_message().content[0].text
+    wait_idle(live.server)
+    rendered = [{"role": "system", "content": system}, *messages, {"role": "assistant", "content": answer}]
+    follow = next_turn_tokens(live.tokenizer, rendered, [])
+    *growing, whole = offered
+    assert whole == follow and 2 <= len(growing) <= 40 // 8
+    assert all(len(a) < len(b) for a, b in zip(growing, growing[1:] + [whole]))
+    text = live.tokenizer.decode(follow)
+    assert all(text.startswith(live.tokenizer.decode(tokens).rstrip("\ufffd")) for tokens in growing)
+    nxt = rendered + [{"role": "user", "content": "go on"}]
+    reply = live.anthropic.messages.create(model="tiny", max_tokens=8, system=system, messages=nxt[1:])
+    wait_idle(live.server)
+    assert reply.content[0].text == generate(live.model, live.tokenizer, chat_ids(live.tokenizer, nxt), max_tokens=8)
 
 
 def test_anthropic_count_tokens(live):

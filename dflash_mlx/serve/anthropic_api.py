@@ -265,7 +265,7 @@ class _Message:
         """Consume the engine's events; yields the text shown at each."""
         self.prompt_tokens = first.prompt_tokens
         async for self.last, shown, self.calls in with_tool_calls(
-            self.server.events(job, first), self.server.tokenizer, self.tools
+            self.server.events(job, first, (self.messages, self.tools)), self.server.tokenizer, self.tools
         ):
             self.text += shown
             yield shown

@@ -30,11 +30,13 @@ from .anthropic_api import AnthropicAPI
 from .guard import Guard
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
-from .protocol import RequestError, next_turn_tokens, number
+from .protocol import RequestError, answer_message, next_turn_tokens, number
 from .worker import DONE, Draining, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
 MAX_BATCH_TOKENS = 32768  # 8 rows of 4k tokens; a longer request runs alone
+ANSWER_FOLLOW_EVERY = 128  # answer tokens between looks at how its text so far reads back
+ANSWER_TAIL = 16  # an answer's last tokens (and the turn's closing ones) may read back otherwise once more follows
 
 
 class Server:
@@ -225,15 +227,24 @@ class Server:
             raise RequestError(str(first), status)
         return job, first
 
-    async def events(self, job: Job, first) -> AsyncIterator:
+    async def events(self, job: Job, first, chat: Optional[tuple[list[dict], list]] = None) -> AsyncIterator:
         """The job's responses, one per decode cycle, from `first` to the one with a finish_reason.
-        Leaving early (a client gone) frees the engine at its next cycle."""
-        event = first
+        Leaving early (a client gone) frees the engine at its next cycle.  `chat`: the messages
+        and tools of a chat the job answers (prefill_answer_so_far as its answer grows)."""
+        event, text, followed = first, "", 0
         try:
             while event is not DONE:
                 if isinstance(event, Exception):
                     raise event
                 yield event
+                text += event.text
+                if (
+                    chat is not None
+                    and not event.finish_reason
+                    and event.generation_tokens >= followed + ANSWER_FOLLOW_EVERY
+                ):
+                    followed = event.generation_tokens
+                    self.prefill_answer_so_far(chat[0] + [answer_message(text, [])], chat[1])
                 event = await anyio.to_thread.run_sync(job.events.get)
         finally:
             job.cancelled.set()
@@ -252,6 +263,19 @@ class Server:
         tokens = next_turn_tokens(self.tokenizer, conversation, tools)
         if tokens:
             self.worker.prefill_when_idle(tokens)
+
+    def prefill_answer_so_far(self, conversation: list[dict], tools: list) -> None:
+        """A chat's answer being written (`conversation`: its messages, the answer's text so far
+        last): where that text reads back in other tokens than the model wrote, the next request
+        would prefill again all the answer from there (prefill_next_turn, once it is out); the
+        conversation up to shortly before the answer's end is prefilled beside the decoding
+        now, so that only its last part is left for then.  Where it reads back as written,
+        the engine finds the answer's own state holds it and prefills nothing."""
+        if not self.next_turn_prefill:
+            return
+        tokens = next_turn_tokens(self.tokenizer, conversation, tools)
+        if tokens and len(tokens) > ANSWER_TAIL:
+            self.worker.prefill_when_idle(tokens[:-ANSWER_TAIL])
 
     def refused(self, error: RequestError) -> None:
         self.metrics.rejected(error.status)

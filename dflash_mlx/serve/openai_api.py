@@ -519,7 +519,8 @@ class _Choices:
             options = {**self.options, "seed": None if seed is None else seed + index}
             self.started.append(await self.api.server.start(self.prompt, self.max_tokens, options))
         for index, (job, first) in enumerate(self.started):
-            yield index, self.api.server.events(job, first)
+            chat = (self.messages, self.tools) if self.messages is not None and self.n == 1 else None
+            yield index, self.api.server.events(job, first, chat)
 
     def close(self):
         for job, _ in self.started:
@@ -632,7 +633,7 @@ class _Response:
         """Consume the engine's events; yields the text shown at each."""
         server = self.api.server
         async for self.last, shown, self.calls in with_tool_calls(
-            server.events(job, first), server.tokenizer, self.tools
+            server.events(job, first, (self.messages, self.tools)), server.tokenizer, self.tools
         ):
             self.logprobs += self.last.logprobs or []
             self.text += shown

@@ -8,10 +8,11 @@ its `cancelled` is set (a client gone), freeing its row for the next.  `drain` e
 gracefully: no new jobs, the running ones finish (or are cut at a deadline, ending as if at
 their max_tokens).
 
-While nothing waits and a row is free (an agent is running its tools; others may be
-decoding), the worker prefills the conversations as their next requests will render them
-(`prefill_when_idle`), into the prompt cache; a request arriving meanwhile stops that, or
-waits for it when it continues that very conversation (the prefill is then its own).
+While nothing waits (an agent is running its tools; others may be decoding), the worker
+prefills the conversations as their next requests will render them (`prefill_when_idle`),
+into the prompt cache, on a row of its own beside a full batch; a request arriving meanwhile
+stops that, or waits for it when it continues that very conversation (the prefill is then its
+own).
 """
 
 import copy
@@ -36,6 +37,7 @@ class Job:
     options: dict  # temp, top_p, top_k, seed, block_size, stop
     events: "queue.Queue" = field(default_factory=queue.Queue)  # GenerationResponse | Exception | DONE
     cancelled: threading.Event = field(default_factory=threading.Event)
+    output: list[int] = field(default_factory=list)  # the tokens answered so far (the engine thread's)
 
 
 class QueueFull(Exception):
@@ -68,7 +70,9 @@ class Worker:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.on_step = max_batch, on_step
         self.active: dict[int, tuple[Job, Any]] = {}  # uid -> (job, its last response)
-        self.batch = BatchGenerator(model, tokenizer, max_batch, prompt_cache, max_batch_tokens)
+        # where requests are batched, one row more than max_batch: the idle prefills' (they run beside a full batch)
+        self.rows = max_batch + 1 if max_batch > 1 and prompt_cache is not None else max_batch
+        self.batch = BatchGenerator(model, tokenizer, self.rows, prompt_cache, max_batch_tokens)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
         self._stopping = False
         self._deadline: Optional[float] = None  # draining: when running jobs are cut
@@ -114,6 +118,8 @@ class Worker:
         with self._idle_lock:
             if self.prompt_cache is None or any(extends(seen, prompt) for seen in self._admitted):
                 return  # asked for already: the next request came first
+            for earlier in [p for p in self.idle_prompts if extends(prompt, p)]:
+                self.idle_prompts.remove(earlier)  # the same conversation, further on
             self.idle_prompts.append(prompt)
         try:
             self.jobs.put_nowait(None)  # wakes an idle engine thread
@@ -189,6 +195,7 @@ class Worker:
                         self.idle_prefill = None
                     continue
                 job, _ = self.active[uid]
+                job.output += response.tokens
                 job.events.put(response)
                 self.active[uid] = (job, response)
                 if response.finish_reason:
@@ -197,17 +204,15 @@ class Worker:
 
     def _admit(self) -> bool:
         """Take waiting jobs while there is room (blocking when idle) and the worker is not
-        draining; False when stopping."""
+        draining, then, when none waits, start an idle prefill; False when stopping."""
         while len(self.active) < self.max_batch and self._deadline is None:
             if self.held and self.idle_prefill is None:
                 job = self.held.pop(0)
             else:
                 try:
                     job = self.jobs.get(block=not self.active and self.idle_prefill is None and not self.idle_prompts)
-                except queue.Empty:  # nothing waits: a free row takes a conversation's next turn
-                    if self.idle_prefill is None and self.idle_prompts:
-                        self._start_idle_prefill()
-                    return True
+                except queue.Empty:
+                    break
             if self._stopping:
                 return False
             if job is None or job.cancelled.is_set():  # None: a wake-up
@@ -229,12 +234,31 @@ class Worker:
                 job.events.put(DONE)
                 continue
             self.active[uid] = (job, None)
+        if (
+            self.idle_prefill is None
+            and self.idle_prompts
+            and len(self.active) < self.rows
+            and not self._jobs_waiting()
+            and self._deadline is None
+        ):
+            self._start_idle_prefill()
         return True
 
+    def _jobs_waiting(self) -> bool:
+        """Whether a job is queued (wake-ups aside: a full batch leaves them in the queue)."""
+        with self.jobs.mutex:
+            return any(job is not None for job in self.jobs.queue)
+
     def _start_idle_prefill(self) -> None:
+        """The latest idle prompt prefilled, unless the prompt cache or a running job's tokens
+        (its answer so far, where its text reads back as the model wrote it) hold all of it but
+        idle_prefill_min_tokens."""
         with self._idle_lock:
             prompt = self.idle_prompts.pop()
-        if len(prompt) - self.prompt_cache.covered(prompt) < self.idle_prefill_min_tokens:
+        held = prompt[: len(prompt) - self.idle_prefill_min_tokens + 1]
+        if self.prompt_cache.covered(prompt) >= len(held) or any(
+            extends(job.prompt + job.output, held) for job, _ in self.active.values()
+        ):
             return
         try:
             self.idle_prefill = (self.batch.insert(prompt, 1), prompt)
