@@ -99,7 +99,12 @@ class RaggedBatchKVCache(BatchKVCache):
     that keeps fewer tokens of a verify than another must be rolled right over its whole length,
     a copy of every row's keys and values per step; here rolling a row back is moving its end.
     Between a row's end and the longest row's lie tokens it dropped, hidden by its mask as
-    its left padding is.  `_idx` is the longest row's end."""
+    its left padding is.  `_idx` is the longest row's end.
+
+    Rows need not end together, so a row joining is written from position 0 into a row the
+    arrays hold spare (one left by a request that ended, kept for the next: an agent's next
+    turn), and the rows already there are not copied; the arrays are copied only when they
+    have no row spare or are too short for it."""
 
     def __init__(self, left_padding: list[int]):
         super().__init__(left_padding)
@@ -114,6 +119,7 @@ class RaggedBatchKVCache(BatchKVCache):
     def update_and_fetch(self, keys, values, rows: slice = slice(None)):
         """Write a pass's keys and values after each of `rows`' ends (every row by default); those
         rows' keys and values up to the longest of them."""
+        rows = slice(*rows.indices(len(self.ends)))  # the rows held (the arrays may hold spare ones)
         n, ends = keys.shape[2], self.ends[rows]
         self._reserve(keys, values, max(ends) + n)
         if len(set(ends)) == 1:
@@ -141,7 +147,7 @@ class RaggedBatchKVCache(BatchKVCache):
         if size <= held:
             return
         more = (size - held + self.step - 1) // self.step * self.step
-        batch = len(self.ends)
+        batch = len(self.ends) if self.keys is None else self.keys.shape[0]
         heads = keys.shape[1]
         new_keys = mx.zeros((batch, heads, more, keys.shape[3]), keys.dtype)
         new_values = mx.zeros((batch, heads, more, values.shape[3]), values.dtype)
@@ -178,16 +184,51 @@ class RaggedBatchKVCache(BatchKVCache):
         return n
 
     def filter(self, batch_indices):
+        """The rows of `batch_indices`, in that order, and one row of those dropped as spare: not
+        copied when they are the first rows, at most one other was held and they have no left
+        padding in common, else gathered (without that padding)."""
         kept = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
-        ends, longest = [self.ends[i] for i in kept], self._idx
-        super().filter(batch_indices)  # drops the padding every kept row has on its left
-        self.end_rows_at([end - (longest - self._idx) for end in ends])
+        if self.keys is None or not kept:
+            ends, longest = [self.ends[i] for i in kept], self._idx
+            super().filter(batch_indices)  # drops the padding every kept row has on its left
+            self.end_rows_at([end - (longest - self._idx) for end in ends])
+            return
+        padding = self.left_padding.tolist()
+        shift = min(padding[i] for i in kept)
+        if kept != list(range(len(kept))) or self.keys.shape[0] > len(kept) + 1 or shift:
+            spare = [i for i in range(self.keys.shape[0]) if i not in kept][:1]
+            order = mx.array(kept + spare)
+            self.keys, self.values = self.keys[order, :, shift:], self.values[order, :, shift:]
+        self.left_padding = mx.array([padding[i] - shift for i in kept])
+        self.end_rows_at([self.ends[i] - shift for i in kept])
 
     def extend(self, other: "RaggedBatchKVCache"):
-        longest = max(self._idx, other._idx)  # mlx-lm right-justifies both at the longest
-        ends = [end + longest - self._idx for end in self.ends] + [end + longest - other._idx for end in other.ends]
-        super().extend(other)
-        self.end_rows_at(ends)
+        """Append `other`'s rows, each where it is in `other` (from position 0), into this batch's
+        spare rows (new arrays with room for them when it has too few or they are too short)."""
+        if self.keys is None or other.keys is None:
+            longest = max(self._idx, other._idx)  # mlx-lm right-justifies both at the longest
+            ends = [end + longest - self._idx for end in self.ends]
+            ends += [end + longest - other._idx for end in other.ends]
+            super().extend(other)
+            self.end_rows_at(ends)
+            return
+        held, joining, length = len(self.ends), len(other.ends), other._idx
+        if self.keys.shape[0] < held + joining or self.keys.shape[2] < length:
+            self._regrow(held + joining, length)
+        self.keys[held : held + joining, :, :length] = other.keys[:joining, :, :length]
+        self.values[held : held + joining, :, :length] = other.values[:joining, :, :length]
+        self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+        self.end_rows_at(self.ends + other.ends)
+
+    def _regrow(self, rows: int, length: int):
+        """New arrays of `rows` rows and room for `length` tokens a row, this batch's rows copied in."""
+        held, (_, heads, room, dim), value_dim = len(self.ends), self.keys.shape, self.values.shape[3]
+        room = max(room, (length + self.step - 1) // self.step * self.step)
+        keys = mx.zeros((rows, heads, room, dim), self.keys.dtype)
+        values = mx.zeros((rows, heads, room, value_dim), self.values.dtype)
+        keys[:held, :, : self.keys.shape[2]] = self.keys[:held]
+        values[:held, :, : self.values.shape[2]] = self.values[:held]
+        self.keys, self.values = keys, values
 
     def extract(self, idx: int) -> KVCache:
         cache = KVCache()

@@ -97,6 +97,38 @@ def test_a_batch_verify_rolls_rows_back_without_moving_their_keys():
         assert seen == want, row
 
 
+def seen_by_rows(batch: RaggedBatchKVCache, start: int) -> list[list[float]]:
+    """What each row's query sees at a pass of one token each (position `start` + row) written now."""
+    rows = len(batch.ends)
+    mask = batch.make_mask(1)
+    written = [tokens(start + r, 1) for r in range(rows)]
+    keys, _ = batch.update_and_fetch(*(mx.concatenate(part) for part in zip(*written)))
+    return [[keys[r, 0, j, 0].item() for j in range(keys.shape[2]) if mask[r, 0, 0, j].item()] for r in range(rows)]
+
+
+@pytest.mark.parametrize("joining", [2, 9, 300])
+def test_a_row_joins_into_the_row_one_left_without_copying_the_others(joining):
+    """A request ending leaves its row spare (the first rows kept as they are, not copied); a row
+    joining is written into it from position 0, the rows there untouched, unless it is longer
+    than the arrays hold (then new arrays); every row sees exactly its own tokens."""
+    batch = ragged_batch(3, 6, 5)
+    batch.update_and_fetch(*(mx.concatenate([x, x, x]) for x in tokens(100, 2)))
+    arrays = batch.keys
+    batch.filter(mx.array([0, 1]))
+    assert batch.keys is arrays and batch.keys.shape[0] == 3 and batch.ends == [8, 8]
+    batch.extend(ragged_batch(joining))
+    assert (batch.keys.shape[0], batch.ends) == (3, [8, 8, joining])
+    assert (batch.keys is arrays) == (joining <= arrays.shape[2])
+    assert seen_by_rows(batch, 200) == [
+        [0, 1, 2, 100, 101, 200],
+        [0, 1, 2, 3, 4, 5, 100, 101, 201],
+        list(range(joining)) + [202],
+    ]
+    batch.filter(mx.array([2, 0]))  # not the first rows: gathered, one spare row with them
+    assert batch.keys.shape[0] == 3 and batch.ends == [joining + 1, 9]
+    assert seen_by_rows(batch, 300) == [list(range(joining)) + [202, 300], [0, 1, 2, 100, 101, 200, 301]]
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_an_aligned_batch_masks_as_mlx_lm_does(window):
     batch = ragged_batch(2, 5)
