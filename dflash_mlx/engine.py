@@ -126,6 +126,17 @@ def shared_length(a: list[int], b: list[int], block: int = 256) -> int:
     return start + next(i for i in range(block) if a[start + i] != b[start + i])
 
 
+def tail_into_holes(count: int, dropped: set[int]) -> list[int]:
+    """The order of `count` rows without those of `dropped`: each row stays where it is but for
+    the last ones, which fill the places left below."""
+    size = count - len(dropped)
+    tail = [i for i in range(size, count) if i not in dropped]
+    order = list(range(size))
+    for hole, last in zip([i for i in range(size) if i in dropped], tail):
+        order[hole] = last
+    return order
+
+
 def restore_prefix(
     model: DFlashModel, request: Request, prompt_cache: Optional[PromptCache]
 ) -> tuple[TargetCache, int]:
@@ -416,12 +427,14 @@ class Decoder:
         return batch
 
     def _without(self, rows: list[Request], batch, uids) -> tuple[list[Request], object]:
-        """`rows` and their cache with the rows of `uids` dropped."""
-        kept = [i for i, row in enumerate(rows) if row.uid not in uids]
-        if len(kept) == len(rows):
+        """`rows` and their cache with the rows of `uids` dropped, the last rows moved into their
+        places (a batch cache then moves those rows alone, not every row after them)."""
+        dropped = {i for i, row in enumerate(rows) if row.uid in uids}
+        if not dropped:
             return rows, batch
-        if not kept:
+        if len(dropped) == len(rows):
             return [], None
+        kept = tail_into_holes(len(rows), dropped)
         batch.keep_rows(kept)
         return [rows[i] for i in kept], self._settled(batch)
 

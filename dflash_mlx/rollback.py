@@ -184,9 +184,11 @@ class RaggedBatchKVCache(BatchKVCache):
         return n
 
     def filter(self, batch_indices):
-        """The rows of `batch_indices`, in that order, and one row of those dropped as spare: not
-        copied when they are the first rows, at most one other was held and they have no left
-        padding in common, else gathered (without that padding)."""
+        """The rows of `batch_indices`, in that order, and one row of those dropped as spare.  Where
+        each stays in its place or comes from past the rows kept (the last rows moved into the
+        places of those dropped: engine.tail_into_holes), at most one other was held and they have
+        no left padding in common, only the rows moving are copied; else all are gathered
+        (without that padding)."""
         kept = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
         if self.keys is None or not kept:
             ends, longest = [self.ends[i] for i in kept], self._idx
@@ -195,12 +197,27 @@ class RaggedBatchKVCache(BatchKVCache):
             return
         padding = self.left_padding.tolist()
         shift = min(padding[i] for i in kept)
-        if kept != list(range(len(kept))) or self.keys.shape[0] > len(kept) + 1 or shift:
+        moves = [(place, row) for place, row in enumerate(kept) if row != place]
+        if all(row >= len(kept) for _, row in moves) and self.keys.shape[0] <= len(kept) + 1 and not shift:
+            self._move_rows(moves)
+        else:
             spare = [i for i in range(self.keys.shape[0]) if i not in kept][:1]
             order = mx.array(kept + spare)
             self.keys, self.values = self.keys[order, :, shift:], self.values[order, :, shift:]
         self.left_padding = mx.array([padding[i] - shift for i in kept])
         self.end_rows_at([self.ends[i] - shift for i in kept])
+
+    def _move_rows(self, moves: list[tuple[int, int]]):
+        """Each (place, row): row `row`'s keys and values written over row `place`'s, in place (the
+        rows moving are copied out first: a write reading the arrays it writes would copy them)."""
+        if not moves:
+            return
+        rows = mx.array([row for _, row in moves])
+        keys, values = self.keys[rows], self.values[rows]
+        mx.eval(keys, values)
+        for j, (place, _) in enumerate(moves):
+            self.keys[place : place + 1] = keys[j : j + 1]
+            self.values[place : place + 1] = values[j : j + 1]
 
     def extend(self, other: "RaggedBatchKVCache"):
         """Append `other`'s rows, each where it is in `other` (from position 0), into this batch's

@@ -8,6 +8,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash_mlx.costs import measure_costs
+from dflash_mlx.engine import tail_into_holes
 from dflash_mlx.rollback import BatchTrimmableKV, RaggedBatchKVCache, RotatingKV
 from tiny_models import random_draft, tiny_target
 
@@ -124,9 +125,21 @@ def test_a_row_joins_into_the_row_one_left_without_copying_the_others(joining):
         [0, 1, 2, 3, 4, 5, 100, 101, 201],
         list(range(joining)) + [202],
     ]
-    batch.filter(mx.array([2, 0]))  # not the first rows: gathered, one spare row with them
+    batch.filter(mx.array([2, 0]))  # row 0 not in its place nor from past the rows kept: gathered, one spare
     assert batch.keys.shape[0] == 3 and batch.ends == [joining + 1, 9]
     assert seen_by_rows(batch, 300) == [list(range(joining)) + [202, 300], [0, 1, 2, 100, 101, 200, 301]]
+
+
+def test_a_row_leaving_takes_the_last_row_into_its_place():
+    """The decoder moves the last rows into the places of those leaving (engine.tail_into_holes):
+    the batch then copies those rows alone, in its own arrays, and every row sees its own tokens."""
+    assert tail_into_holes(4, {0}) == [3, 1, 2] and tail_into_holes(4, {1, 3}) == [0, 2]
+    assert tail_into_holes(5, {0, 1}) == [3, 4, 2] and tail_into_holes(3, {2}) == [0, 1]
+    batch = ragged_batch(3, 6, 5)
+    arrays = batch.keys
+    batch.filter(mx.array(tail_into_holes(3, {0})))
+    assert batch.keys is arrays and batch.ends == [6, 6] and batch.left_padding.tolist() == [1, 0]
+    assert seen_by_rows(batch, 100) == [[0, 1, 2, 3, 4, 100], [0, 1, 2, 3, 4, 5, 101]]
 
 
 @pytest.mark.parametrize("window", [None, 3])
