@@ -14,6 +14,11 @@ any draft, so the output is unchanged.  How long the match was travels with the
 proposal (1-3 tokens, or its class: up to 4, 8, 16 or 32): a 1-token match is a weak
 hint, a 20-token one a strong one, and the adaptive plan (plan.py) learns how often
 each kind is accepted.
+
+Nothing is copied from an end-of-turn token on (`ends`, the tokenizer's EOS): in a chat prompt
+one follows every turn, the closing fence of a code block the user sent included, so an answer
+opening with a fence was offered the template's turn change where it writes the fence's language
+and the code after it, as the opening fence has them.
 """
 
 from dataclasses import dataclass
@@ -49,8 +54,17 @@ def agreement(tokens, i: int, tail, n: int) -> int:
 
 
 class PromptLookup:
-    def __init__(self, tokens, min_ngram: int = 1, max_ngram: int = 4, max_positions: int = 16, near: int = 16):
+    def __init__(
+        self,
+        tokens,
+        min_ngram: int = 1,
+        max_ngram: int = 4,
+        max_positions: int = 16,
+        near: int = 16,
+        ends: frozenset = frozenset(),
+    ):
         self.min_ngram, self.max_ngram, self.max_positions, self.near = min_ngram, max_ngram, max_positions, near
+        self.ends = ends  # tokens a copy never starts at (an end of turn)
         self.tokens: list[int] = []
         self.cursor: Optional[int] = None  # where the text's next token was last copied from
         self._after: dict[tuple[int, ...], int] = {}  # shorter n-gram -> where its latest continuation starts
@@ -61,6 +75,9 @@ class PromptLookup:
         """Append committed tokens; every n-gram now followed by a token is indexed."""
         for token in tokens:
             end = len(self.tokens)  # the n-grams ending here are followed by `token`
+            if token in self.ends:
+                self.tokens.append(int(token))
+                continue
             for n in range(self.min_ngram, min(self.max_ngram - 1, end) + 1):
                 self._after[tuple(self.tokens[end - n : end])] = end
             if end >= self.max_ngram:
@@ -100,14 +117,20 @@ class PromptLookup:
         tokens, end, cursor = self.tokens, len(self.tokens), self.cursor
         pattern, found = tokens[-n:], None
         for i in range(max(n, cursor - self.near), min(end - 1, cursor + self.near) + 1):
-            if tokens[i - n : i] == pattern and (found is None or abs(i - cursor) < abs(found - cursor)):
+            if (
+                tokens[i - n : i] == pattern
+                and tokens[i] not in self.ends
+                and (found is None or abs(i - cursor) < abs(found - cursor))
+            ):
                 found = i
         return found
 
     def _copy(self, start: int, limit: int) -> tuple:
         """`limit` tokens from `start`, as an overlapping copy runs: past the end, the proposal
-        repeats itself (a repeating text keeps its period)."""
+        repeats itself (a repeating text keeps its period); none after an end of turn."""
         proposal, end = [], len(self.tokens)
         for i in range(start, start + limit):
             proposal.append(self.tokens[i] if i < end else proposal[i - end])
+            if proposal[-1] in self.ends:
+                break
         return tuple(proposal)

@@ -26,6 +26,7 @@ class DFlashModel:
     planner: Optional["Planner"] = None  # adaptive verify widths, kept across generations
     fingerprint: str = ""  # names the weights (a saved cache state is only valid for them)
     suffixes: Optional["SuffixStore"] = None  # earlier answers, proposed from (suffix.py)
+    end_tokens: frozenset = frozenset()  # the tokenizer's EOS: the prompt lookup copies from none (lookup.py)
 
     @property
     def feature_layers(self) -> list[int]:

@@ -78,7 +78,7 @@ class Request:
         self.context = Context(model)
         if not self.params.greedy:
             self.noise = Noise(new_seed() if self.seed is None else self.seed, model.target.vocab_size)
-        self.lookup = PromptLookup(self.prompt) if self.adaptive else None
+        self.lookup = PromptLookup(self.prompt, ends=model.end_tokens) if self.adaptive else None
         self.suffixes = model.suffixes if self.adaptive else None
         self.constraint = self.grammar.start() if self.grammar is not None else None
         if model.planner is not None:

@@ -54,6 +54,18 @@ def test_after_an_edit_the_copy_resumes_where_it_left_off():
     assert PromptLookup(source + [0, 99] + [5, 30, 31, 77, 5]).propose(2).tokens == (30, 31)  # no copy yet: the latest
 
 
+def test_nothing_is_copied_from_an_end_of_turn_on():
+    """A chat prompt: the user's code block opens (`FENCE 7`) and closes (`FENCE END`), and the
+    template's turn change follows the close.  An answer opening with a fence is offered what
+    followed the opening one, not the turn change; a copy running into an end of turn stops there."""
+    FENCE, END = 60, 99
+    prompt = [1, 2, FENCE, 7, 8, 9, 3, FENCE, END, 50, 51] + [FENCE]
+    assert PromptLookup(prompt, ends=frozenset({END})).propose(4) == Match((7, 8, 9, 3), 1)
+    assert PromptLookup(prompt).propose(4).tokens == (END, 50, 51, FENCE)  # what it was before
+    lookup = PromptLookup([4, 5, 6, END, 4, 5], ends=frozenset({END}))
+    assert lookup.propose(4) == Match((6, END), 2)
+
+
 def test_a_single_token_match_says_so():
     lookup = PromptLookup([1, 2, 3, 1])
     assert lookup.propose(3) == Match((2, 3, 1), 1)  # a weak hint: the plan judges it by its own record

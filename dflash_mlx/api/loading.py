@@ -91,7 +91,8 @@ def load(
     if drafter is not None:
         fingerprint += f"-{_fingerprint(draft_path)}"
     suffixes = SuffixStore() if planner is not None else None  # read by adaptive requests only
-    return DFlashModel(target, drafter, note, planner, fingerprint, suffixes), tokenizer
+    ends = frozenset(tokenizer.eos_token_ids)
+    return DFlashModel(target, drafter, note, planner, fingerprint, suffixes, ends), tokenizer
 
 
 _said: set[str] = set()  # one-line notices already printed by this process
