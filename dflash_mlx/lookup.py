@@ -75,19 +75,21 @@ class PromptLookup:
         """Append committed tokens; every n-gram now followed by a token is indexed."""
         for token in tokens:
             end = len(self.tokens)  # the n-grams ending here are followed by `token`
-            if token in self.ends:
-                self.tokens.append(int(token))
-                continue
-            for n in range(self.min_ngram, min(self.max_ngram - 1, end) + 1):
-                self._after[tuple(self.tokens[end - n : end])] = end
-            if end >= self.max_ngram:
-                starts = self._starts.setdefault(tuple(self.tokens[end - self.max_ngram : end]), [])
-                starts.append(end)
-                if len(starts) > 2 * self.max_positions:
-                    del starts[: -self.max_positions]
+            if token not in self.ends:
+                self._index(end)
             self.tokens.append(int(token))
         if self.cursor is not None:
             self.cursor += len(tokens)
+
+    def _index(self, end: int) -> None:
+        """The n-grams ending at `end` (the token about to be appended there follows them)."""
+        for n in range(self.min_ngram, min(self.max_ngram - 1, end) + 1):
+            self._after[tuple(self.tokens[end - n : end])] = end
+        if end >= self.max_ngram:
+            starts = self._starts.setdefault(tuple(self.tokens[end - self.max_ngram : end]), [])
+            starts.append(end)
+            if len(starts) > 2 * self.max_positions:
+                del starts[: -self.max_positions]
 
     def propose(self, limit: int) -> Match:
         """Up to `limit` tokens that followed the best earlier match of the current suffix."""

@@ -230,7 +230,7 @@ class Server:
     async def events(self, job: Job, first, chat: Optional[tuple[list[dict], list]] = None) -> AsyncIterator:
         """The job's responses, one per decode cycle, from `first` to the one with a finish_reason.
         Leaving early (a client gone) frees the engine at its next cycle.  `chat`: the messages
-        and tools of a chat the job answers (prefill_answer_so_far as its answer grows)."""
+        and tools of a chat the job answers (prefill_next_turn as its answer grows)."""
         event, text, followed = first, "", 0
         try:
             while event is not DONE:
@@ -244,12 +244,12 @@ class Server:
                     and event.generation_tokens >= followed + ANSWER_FOLLOW_EVERY
                 ):
                     followed = event.generation_tokens
-                    self.prefill_answer_so_far(chat[0] + [answer_message(text, [])], chat[1])
+                    self.prefill_next_turn(chat[0] + [answer_message(text, [])], chat[1], ANSWER_TAIL)
                 event = await anyio.to_thread.run_sync(job.events.get)
         finally:
             job.cancelled.set()
 
-    def prefill_next_turn(self, conversation: list[dict], tools: list) -> None:
+    def prefill_next_turn(self, conversation: list[dict], tools: list, tail: int = 0) -> None:
         """A chat answered (`conversation`: its messages, then the answer as the client sends it
         back): while the client acts on it (an agent runs its tools), the engine prefills the
         conversation as the next request will render it.  Its state after the answer
@@ -257,25 +257,18 @@ class Server:
         split otherwise (the model's " chat" + "ting" reads back as " chatting"): from there on,
         and for the turn's closing tokens, the next request would prefill again.  Off by default
         in make_app: the model computes after the answer, which code sharing it in-process (a
-        test's offline generate) would race; `dflash-mlx serve` turns it on."""
-        if not self.next_turn_prefill:
-            return
-        tokens = next_turn_tokens(self.tokenizer, conversation, tools)
-        if tokens:
-            self.worker.prefill_when_idle(tokens)
+        test's offline generate) would race; `dflash-mlx serve` turns it on.
 
-    def prefill_answer_so_far(self, conversation: list[dict], tools: list) -> None:
-        """A chat's answer being written (`conversation`: its messages, the answer's text so far
-        last): where that text reads back in other tokens than the model wrote, the next request
-        would prefill again all the answer from there (prefill_next_turn, once it is out); the
-        conversation up to shortly before the answer's end is prefilled beside the decoding
-        now, so that only its last part is left for then.  Where it reads back as written,
-        the engine finds the answer's own state holds it and prefills nothing."""
+        While the answer is written (events(): its text so far last, `tail` its last tokens,
+        which may read back otherwise once more follows, and the turn's closing ones), the same
+        is prefilled beside the decoding, all but the tail, so that a client coming back at once
+        finds only the answer's last part left; where the text reads back as written, the
+        engine finds the answer's own state holds it and prefills nothing."""
         if not self.next_turn_prefill:
             return
         tokens = next_turn_tokens(self.tokenizer, conversation, tools)
-        if tokens and len(tokens) > ANSWER_TAIL:
-            self.worker.prefill_when_idle(tokens[:-ANSWER_TAIL])
+        if tokens and len(tokens) > tail:
+            self.worker.prefill_when_idle(tokens[: len(tokens) - tail])
 
     def refused(self, error: RequestError) -> None:
         self.metrics.rejected(error.status)

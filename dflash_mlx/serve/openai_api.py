@@ -508,9 +508,14 @@ class _Choices:
         self.text += text
         self.calls, self.finished = tool_calls or [], bool(last.finish_reason)
 
+    @property
+    def chat(self) -> Optional[tuple[list[dict], list]]:
+        """The messages and tools of a one-choice chat (the only one whose next turn is prefilled)."""
+        return (self.messages, self.tools) if self.messages is not None and self.n == 1 else None
+
     def prefill_next_turn(self) -> None:
         """Once a one-choice chat's answer is out: its next turn prefilled (Server.prefill_next_turn)."""
-        if self.messages is not None and self.n == 1 and self.finished:
+        if self.chat is not None and self.finished:
             self.api.server.prefill_next_turn(self.messages + [answer_message(self.text, self.calls)], self.tools)
 
     async def __aiter__(self):
@@ -519,8 +524,7 @@ class _Choices:
             options = {**self.options, "seed": None if seed is None else seed + index}
             self.started.append(await self.api.server.start(self.prompt, self.max_tokens, options))
         for index, (job, first) in enumerate(self.started):
-            chat = (self.messages, self.tools) if self.messages is not None and self.n == 1 else None
-            yield index, self.api.server.events(job, first, chat)
+            yield index, self.api.server.events(job, first, self.chat)
 
     def close(self):
         for job, _ in self.started:
