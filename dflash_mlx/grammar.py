@@ -70,8 +70,7 @@ class GrammarState:
         self.matcher, self.vocab_size = matcher, vocab_size
 
     def _mask(self) -> np.ndarray:
-        if self.matcher.is_stopped():  # the grammar has ended (at EOS): what follows is cut off anyway
-            return np.ones(self.vocab_size, dtype=bool)
+        """The tokens allowed next (once the grammar is complete, only the end tokens)."""
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         mask = np.zeros(self.vocab_size, dtype=bool)
         n = min(self.vocab_size, bits.size)
@@ -84,7 +83,13 @@ class GrammarState:
         last mask: the target's choice differs from the proposal there, so they are never used."""
         rows, consumed = [self._mask()], 0
         for token in proposal:
-            if not rows[-1][token] or not self.matcher.consume_token(token):
+            # a stopped matcher takes the end token without recording it: rolling back
+            # `consumed` would then undo a committed token
+            if self.matcher.is_stopped() or not rows[-1][token]:
+                break
+            if not self.matcher.consume_token(token):  # the mask let through what the parser refuses
+                rows[-1] = rows[-1].copy()
+                rows[-1][token] = False
                 break
             consumed += 1
             rows.append(self._mask())

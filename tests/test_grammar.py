@@ -76,3 +76,123 @@ def test_the_default_pair_answers_in_the_schema(smollm2_dir):
         )
     )
     assert "Paris" in json.loads(text)["capital"]
+
+
+def test_a_complete_grammar_allows_only_the_end_and_survives_proposals_past_it(plain):
+    """Proposals that run past the grammar's end (the object closed, then the end token, then
+    more) leave the state at the committed tokens; once complete only the end token is allowed."""
+    model, tokenizer = plain
+    grammar = Grammar.json(tokenizer, model.target.vocab_size, SCHEMA)
+    body = tokenizer.encode('{"name": "A", "age": 1', add_special_tokens=False)
+    close = tokenizer.encode("}", add_special_tokens=False)
+    (eos,) = sorted(tokenizer.eos_token_ids)[:1]
+    state = grammar.start()
+    state.commit(body)
+    masks = state.masks(close + [eos, eos, close[0]])
+    assert masks[0, close[0]] and not masks[0, eos]
+    ended = masks[len(close)]
+    assert ended[eos] and int(ended.sum()) == 1  # complete: the end token and nothing else
+    state.commit(close)
+    state.masks([eos, eos])  # the matcher has stopped: nothing may be rolled back past the close
+    state.commit([eos, eos])  # raised "chosen against the mask" when the close was undone
+    assert state.matcher.is_stopped()
+
+
+def test_grammar_rows_are_never_a_stale_state(plain):
+    """A row past a proposal token the parser refuses is never the state before that token:
+    the refused token is masked at its own row, so the target cannot accept it."""
+    model, tokenizer = plain
+    grammar = Grammar.json(tokenizer, model.target.vocab_size, SCHEMA)
+    state = grammar.start()
+    state.commit(tokenizer.encode('{"name": "A", "age": 1}', add_special_tokens=False))
+    after = tokenizer.encode("x", add_special_tokens=False)
+    masks = state.masks(after * 3)
+    assert not any(bool(masks[i, after[0]]) for i in range(4))
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "role": {"enum": ["farmer", "wizard", "nurse", "baker"]},
+        "skills": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+        "home": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "year": {"type": "integer"}},
+            "required": ["city", "year"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "skills", "home"],
+    "additionalProperties": False,
+}
+CHARACTERS = ["a farmer", "a wizard", "a cat", "a baker"]
+
+
+@pytest.mark.slow
+def test_strict_schemas_hold_on_every_path_whatever_ran_before(smollm2_dir):
+    """The default pair, greedy: answers in a strict schema (nested object, enum, array,
+    integers) validate, end at the object, and are the same alone with the drafter, plain,
+    in a batch of 4, and after other requests in either order (the session-wide answer store
+    proposes copies of earlier answers)."""
+    import jsonschema
+
+    from dflash_mlx import batch_generate, generate
+
+    model, tokenizer = load()
+    grammar = Grammar.json(tokenizer, model.target.vocab_size, PERSON)
+    prompts = [[{"role": "user", "content": f"Invent {who}. Reply in JSON."}] for who in CHARACTERS]
+
+    def answer(prompt, **options):
+        return generate(model, tokenizer, prompt, 160, grammar=grammar, **options)
+
+    first = [answer(p) for p in prompts]
+    for text in first:
+        jsonschema.validate(json.loads(text), PERSON)  # json.loads: nothing after the object
+    assert [answer(p) for p in reversed(prompts)] == first[::-1]
+    assert answer(prompts[1], block_size=1) == first[1]
+    batched = batch_generate(model, tokenizer, prompts, 160, max_batch=4, grammar=grammar)
+    assert batched.texts == first
+    assert all(r.finish_reason == "stop" for r in batched.responses)
+    assert_served_alike(model, tokenizer, prompts[:2], first[:2])
+
+
+def assert_served_alike(model, tokenizer, prompts, expected):
+    """The server's strict json_schema answers are the in-process ones, and the openai SDK's
+    `parse()` (which refuses trailing text) takes them."""
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    from dflash_mlx.serve import make_app, serve_in_background
+
+    class Home(BaseModel):
+        city: str
+        year: int
+
+    class Person(BaseModel):
+        name: str
+        age: int
+        role: Literal["farmer", "wizard", "nurse", "baker"]
+        skills: list[str] = Field(min_length=1, max_length=3)
+        home: Home
+
+    server = make_app(model, tokenizer, "default")
+    http, port = serve_in_background(server)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
+    try:
+        for messages, text in zip(prompts, expected):
+            reply = client.chat.completions.create(
+                model="default", messages=messages, max_tokens=160, response_format=schema
+            )
+            assert reply.choices[0].message.content == text and reply.choices[0].finish_reason == "stop"
+        parsed = client.chat.completions.parse(
+            model="default", messages=prompts[0], max_tokens=160, response_format=Person
+        )
+        assert isinstance(parsed.choices[0].message.parsed, Person)
+    finally:
+        http.should_exit = True
+        server.worker.stop()
