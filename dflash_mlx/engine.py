@@ -24,7 +24,7 @@ the same noise per (seed, position) (sampling.py), whatever the widths and the b
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -50,12 +50,24 @@ SHARED_MIN = 64  # a prefix shared with a prompt being prefilled worth waiting f
 @dataclass
 class BatchStep:
     """What one step did: the batch size and verify width (the widest of its passes), each row's
-    committed tokens, and its target passes (two when its rows verified apart)."""
+    committed tokens, its target passes (two when its rows verified apart), and the rows that
+    failed on their own (their tokens refused: dropped, the others decoded on)."""
 
     size: int
     width: int
     steps: dict  # uid -> Step
     passes: int = 0
+    failed: dict = field(default_factory=dict)  # uid -> Exception
+
+
+class StepFailed(Exception):
+    """A step raised: every request it was decoding or prefilling (`uids`) was dropped, nothing
+    of them kept (their caches may hold tokens fed and never rolled back); the requests still
+    waiting, and the decoder, go on."""
+
+    def __init__(self, error: Exception, uids: set[int]):
+        super().__init__(str(error))
+        self.error, self.uids = error, uids
 
 
 @dataclass
@@ -208,6 +220,10 @@ class Decoder:
         leaving = [i for i, row in enumerate(self.rows) if row.uid in uids]
         with mx.stream(self.stream):
             self._keep_answers(leaving)
+        self.discard(*uids)
+
+    def discard(self, *uids: int) -> None:
+        """Drop requests keeping nothing of them (they failed: what they decoded is not an answer)."""
         self.waiting = [row for row in self.waiting if row.uid not in uids]
         self.filling, self.fill_cache = self._without(self.filling, self.fill_cache, uids)
         self.rows, self.cache = self._without(self.rows, self.cache, uids)
@@ -222,16 +238,27 @@ class Decoder:
         once and the rows decode at the next step.  Rows that reach their max_tokens leave by
         themselves.  A queued pass is for the rows as they were: it is taken before anyone joins."""
         with mx.stream(self.stream):
-            steps, size, width, passes = {}, 0, 0, 0
-            pipelined = self._queued is not None
-            if not pipelined:
-                self._join(steps)
-            if self.rows and not steps:
-                size, (width, passes) = len(self.rows), self._decode(steps)
-            if pipelined:
-                self._join(steps)
+            steps, failed, size, width, passes = {}, {}, 0, 0, 0
+            try:
+                pipelined = self._queued is not None
+                if not pipelined:
+                    self._join(steps)
+                if self.rows and not steps:
+                    size, (width, passes) = len(self.rows), self._decode(steps, failed)
+                if pipelined:
+                    self._join(steps)
+            except Exception as error:
+                raise StepFailed(error, self._abandon()) from error
+            self.discard(*failed)
             self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
-        return BatchStep(size, width, steps, passes)
+        return BatchStep(size, width, steps, passes, failed)
+
+    def _abandon(self) -> set[int]:
+        """After a failed step: the uids of every request it was decoding or prefilling, dropped
+        with their caches and the pass queued for them, nothing of them kept."""
+        uids = {row.uid for row in self.rows + self.filling}
+        self.rows, self.cache, self.filling, self.fill_cache, self._queued = [], None, [], None, None
+        return uids
 
     def _keep_answers(self, leaving: list[int]) -> None:
         """The state of each leaving row after its prompt and answer, into the prompt cache.  The
@@ -448,8 +475,9 @@ class Decoder:
 
     # ------------------------------------------------------------ decoding
 
-    def _decode(self, steps: dict) -> tuple[int, int]:
-        """One decode step of the rows: its width and its number of target passes."""
+    def _decode(self, steps: dict, failed: dict) -> tuple[int, int]:
+        """One decode step of the rows: its width and its number of target passes.  A row whose
+        tokens its own state refuses (a grammar's) goes into `failed`, rolled back with the others."""
         planner, started = self.model.planner, self.clock()
         queued, self._queued = self._queued, None
         if queued is not None:
@@ -476,9 +504,12 @@ class Decoder:
                 row, n = self.rows[start + i], n.item()
                 keeps.append(n + 1)
                 row.context.add(None if current.features is None else current.features[i : i + 1, : n + 1])
-                steps[row.uid] = row.record(
-                    plan, proposal[:n].tolist() + [next_token.item()], n, current.logits[i, : n + 1]
-                )
+                try:
+                    steps[row.uid] = row.record(
+                        plan, proposal[:n].tolist() + [next_token.item()], n, current.logits[i, : n + 1]
+                    )
+                except Exception as error:
+                    failed[row.uid] = error
         if width > 1:
             self.cache.rollback_rows(keeps)
         seconds = self.clock() - started
@@ -640,9 +671,14 @@ def decode_alone(
     uid = decoder.add(request)
     try:
         while decoder.busy:
-            step = decoder.step().steps.get(uid)
-            if step is not None:
-                yield step
+            try:
+                done = decoder.step()
+            except StepFailed as failed:
+                raise failed.error
+            if uid in done.failed:
+                raise done.failed[uid]
+            if uid in done.steps:
+                yield done.steps[uid]
     finally:
         decoder.remove(uid)  # closed early (EOS, a stop string): its state is kept all the same
         decoder.close()

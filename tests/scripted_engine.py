@@ -30,6 +30,7 @@ def scripted_batch(reply):
 
     class ScriptedBatch:
         last_step = None
+        failed: dict = {}
 
         def __init__(self, *args):
             self.running, self.uids = {}, iter(range(1 << 30))
@@ -48,6 +49,8 @@ def scripted_batch(reply):
 
         def remove(self, uid):
             self.running.pop(uid, None)
+
+        discard = remove
 
         def close(self):
             pass

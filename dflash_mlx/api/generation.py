@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..engine import BatchStep, Decoder, decode_alone, warm_up
+from ..engine import BatchStep, Decoder, StepFailed, decode_alone, warm_up
 from ..grammar import Grammar
 from ..io.progress import add_task, progress
 from ..model import DFlashModel, Step
@@ -308,6 +308,7 @@ class BatchGenerator:
         self.decoder = Decoder(model, prompt_cache, max_batch, max_batch_tokens)
         self.responses: dict[int, Responses] = {}
         self.last_step: Optional[BatchStep] = None
+        self.failed: dict[int, Exception] = {}  # the last step's
 
     @property
     def busy(self) -> bool:
@@ -334,15 +335,35 @@ class BatchGenerator:
         warm_up(self.model, self.decoder.max_batch)
 
     def next(self) -> list[tuple[int, GenerationResponse]]:
-        """One batch step: (uid, response) of every request that committed tokens."""
-        self.last_step = self.decoder.step()
+        """One batch step: (uid, response) of every request that committed tokens.  Requests that
+        failed in it are dropped, nothing of them kept, and named in `failed` (uid -> error);
+        the others go on as they would alone."""
+        self.failed = {}
+        try:
+            self.last_step = self.decoder.step()
+        except StepFailed as failure:
+            self.last_step, self.failed = None, dict.fromkeys(failure.uids, failure.error)
+        else:
+            self.failed.update(self.last_step.failed)
         out = []
-        for uid, step in self.last_step.steps.items():
-            response = self.responses[uid].push(step)
+        for uid, step in self.last_step.steps.items() if self.last_step else ():
+            try:
+                response = self.responses[uid].push(step)
+            except Exception as error:  # its text cannot be made: it fails alone
+                self.decoder.discard(uid)
+                self.failed[uid] = error
+                continue
             out.append((uid, response))
             if response.finish_reason:
                 self.remove(uid)
+        for uid in self.failed:
+            self.responses.pop(uid, None)
         return out
+
+    def discard(self, uid: int) -> None:
+        """Drop a request keeping nothing of it (it failed)."""
+        self.decoder.discard(uid)
+        self.responses.pop(uid, None)
 
 
 @dataclass
@@ -375,6 +396,8 @@ def batch_generate(
                     last[uid] = response
                     if response.finish_reason:
                         bar.advance(task)
+                if gen.failed:
+                    raise next(iter(gen.failed.values()))
         finally:
             gen.close()
     return BatchResponse([texts[uid] for uid in uids], [last[uid] for uid in uids])

@@ -16,6 +16,7 @@ own).
 """
 
 import copy
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ import mlx.core as mx
 from ..api import BatchGenerator
 
 DONE = object()
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,10 +159,14 @@ class Worker:
                 self.batch.warm_up()
             self.warmed.set()
             self._run()
+        except BaseException:
+            logger.exception("the engine thread stopped")
+            raise
         finally:
             self.warmed.set()  # a failed warm-up: no one waits for ever (the engine has gone, jobs are refused)
             with self._closing:  # no job is left waiting for an engine that has gone
                 self._closed = True
+                self._fail_active(RuntimeError("the engine stopped before this request finished; send it again"))
                 self._refuse_waiting()
             self.batch.close()
             # MLX keeps streams per thread; a thread that ran compiled functions and leaves
@@ -183,9 +189,12 @@ class Worker:
                 continue
             try:
                 responses = self.batch.next()
-            except Exception as e:  # a failed step fails the jobs in it; the engine goes on
-                self._fail_all(e)
+            except Exception as error:  # not a request's own failure (those are in batch.failed): all fail
+                logger.exception("a decode step failed outside any request; failing every running request")
+                self._fail(set(self.active) | ({self.idle_prefill[0]} if self.idle_prefill else set()), error)
                 continue
+            if self.batch.failed:
+                self._fail_requests(self.batch.failed)
             step = self.batch.last_step
             if self.on_step is not None and step is not None:
                 self.on_step(step.size, step.width, step.passes)
@@ -316,13 +325,37 @@ class Worker:
                 del self.active[uid]
                 self._finished(job, last, cancelled=True)
 
-    def _fail_all(self, error: Exception) -> None:
-        self._stop_idle_prefill()
-        for uid, (job, _) in self.active.items():
-            self.batch.remove(uid)
+    def _fail_requests(self, failed: dict) -> None:
+        """The jobs of the requests that failed in a step (already dropped by the batch, nothing
+        of them kept) get their error; the others decode on."""
+        if self.idle_prefill is not None and self.idle_prefill[0] in failed:
+            error = failed[self.idle_prefill[0]]  # no client to answer: said here (a job's is logged as its 500)
+            logger.error("an idle prefill failed: %s", error, exc_info=error)
+            self.idle_prefill = None
+        for uid in [uid for uid in failed if uid in self.active]:
+            job, _ = self.active.pop(uid)
+            job.events.put(failed[uid])
+            job.events.put(DONE)
+
+    def _fail(self, uids: set, error: Exception) -> None:
+        """Jobs of `uids` failed with `error`, their rows dropped keeping nothing."""
+        for uid in uids:
+            try:
+                self.batch.discard(uid)
+            except Exception:  # the batch is broken too: the job is answered all the same
+                logger.exception("dropping failed request %d", uid)
+        self._fail_requests(dict.fromkeys(uids, error))
+
+    def _fail_active(self, error: Exception) -> None:
+        """Every job still running or held answered with `error` (the engine thread is ending)."""
+        for job, _ in self.active.values():
             job.events.put(error)
             job.events.put(DONE)
         self.active = {}
+        for job in self.held:
+            job.events.put(error)
+            job.events.put(DONE)
+        self.held = []
 
 
 def extends(prompt: list[int], prefix: list[int]) -> bool:
