@@ -29,12 +29,16 @@ The disk tier (`folder`) holds the entries the RAM tier evicts, and every entry 
 (a server's shutdown), as mlx-lm's prompt-cache safetensors files named by a hash of the model
 fingerprint and the tokens, bounded in bytes (least recently used first out).  Files are
 written to a temporary name and renamed, so two processes sharing the folder never read half
-a file; one from another model, or unreadable, is passed over with one line.
+a file; one from another model, or unreadable, is passed over with one line.  An entry whose
+file cannot be read when a lookup reaches it (damaged, removed by another process) leaves the
+folder, the index and the trie together, said in one line, and the lookup goes on to the
+entries behind it.  Such notes go through `logging` (logger `dflash_mlx.prompt_cache`).
 """
 
 import copy
 import hashlib
 import json
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,11 +50,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, PromptTrie, load_prompt_cache, save_prompt_cache
 
 from .drafters.dflash import ContextKV
-from .io.progress import console
 from .rollback import TrimmableKV
 from .target import TargetCache
 
 MODEL = "target"  # the trie's one model: a PromptCache serves one model pair
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -186,22 +191,38 @@ class PromptCache:
         """(target cache, drafter context, tokens covered) restored for `prompt`, or None."""
         usable = list(prompt[: len(prompt) - 1])  # the last token is always prefilled
         found = self._nearest(usable)
+        read: list[Snapshot] = []
         if self.disk is not None:
+            found = self._nearer_on_disk(usable, found, read)
+        restored = None if found is None else self._restore(*found, room=len(prompt) - found[1])
+        for entry in read:  # kept after the restore: keeping them may evict the entry it came from
+            if entry.nbytes <= self.max_bytes:  # else it would push every other entry out, and still not fit
+                self._insert(entry)
+        return restored
+
+    def _nearer_on_disk(self, usable: list[int], found, read: list) -> Optional[tuple[Snapshot, int]]:
+        """The disk entry sharing more of `usable` than `found` (a RAM entry and that length, or
+        None) and that length, else `found`; every entry read is added to `read`.  A file that
+        cannot be read leaves the disk tier, and the lookup is asked again: an entry behind it
+        may serve."""
+        while True:
             for tokens, shared in self.disk.candidates(usable):
-                if shared <= (found[1] if found else 0):
-                    continue
+                if shared <= (found[1] if found else 0) or tokens in self.entries:
+                    continue  # the RAM lookup has judged its entries already
                 entry = self.disk.read(tokens)
                 if entry is None:
-                    continue
-                self._insert(entry)
-                if shared == len(entry.tokens) or _cuttable(entry):
-                    found = (entry, shared)
                     break
-        if found is None:
-            return None
-        best, shared = found
-        self.entries.move_to_end(best.tokens)
-        target, context = self._whole(best, room=len(prompt) - shared)
+                read.append(entry)
+                if shared == len(entry.tokens) or _cuttable(entry):
+                    return entry, shared
+            else:
+                return found
+
+    def _restore(self, best: Snapshot, shared: int, room: int):
+        """Fresh caches holding `best`'s first `shared` tokens, with room for `room` more."""
+        if best.tokens in self.entries:  # (one read from disk joins them after)
+            self.entries.move_to_end(best.tokens)
+        target, context = self._whole(best, room)
         if shared < len(best.tokens):
             _cut(target, context, len(best.tokens) - shared)
         self.hits += 1
@@ -253,12 +274,12 @@ class PromptCache:
 
     def _refuse(self, entry: Snapshot) -> None:
         if not self.refused:
-            console.print(
-                f"note: a prompt's state ({len(entry.tokens)} tokens, {_size(entry.nbytes)}) is larger than "
-                f"the whole prompt cache ({_size(self.max_bytes)}), so it is not kept and a request "
-                "sharing it prefills it again; raise the cache's bytes (--prompt-cache-bytes) to keep it",
-                style="yellow",
-                soft_wrap=True,
+            logger.warning(
+                "a prompt's state (%d tokens, %s) is larger than the whole prompt cache (%s), so it is not kept "
+                "and a request sharing it prefills it again; raise the cache's bytes (--prompt-cache-bytes) to keep it",
+                len(entry.tokens),
+                _size(entry.nbytes),
+                _size(self.max_bytes),
             )
         self.refused += 1
 
@@ -354,11 +375,11 @@ class DiskTier:
             else:
                 self._add(tuple(json.loads(meta["tokens"])), path)
         if passed_over:
-            console.print(
-                f"note: {len(passed_over)} file(s) in the prompt cache folder {folder} are another model's or "
-                f"unreadable (e.g. {passed_over[0]}); passed over",
-                style="yellow",
-                soft_wrap=True,
+            logger.warning(
+                "%d file(s) in the prompt cache folder %s are another model's or unreadable (e.g. %s); passed over",
+                len(passed_over),
+                folder,
+                passed_over[0],
             )
 
     def _name(self, tokens: tuple) -> Path:
@@ -368,6 +389,12 @@ class DiskTier:
     def _add(self, tokens: tuple, path: Path) -> None:
         self.index[tokens] = path
         self.trie.add(MODEL, list(tokens), path)
+
+    def _forget(self, tokens: tuple) -> Path:
+        """`tokens`' entry out of the index and the trie together (a lookup offered an entry the
+        index no longer has would retry it forever, and never reach the entries behind it)."""
+        self.trie.pop(MODEL, list(tokens))
+        return self.index.pop(tokens)
 
     def _metadata(self, path: Path) -> Optional[dict]:
         """The file's metadata when it is one of this model's entries (another model's may share
@@ -385,7 +412,8 @@ class DiskTier:
         return candidates(self.trie, usable) if self.index else []
 
     def read(self, tokens: tuple) -> Optional[Snapshot]:
-        path = self.index.get(tokens)
+        """The entry stored for `tokens`; None when its file cannot be read (it is then removed)."""
+        path = self.index[tokens]
         try:
             layers, meta = load_prompt_cache(str(path), return_metadata=True)
             if meta.get("fingerprint") != self.fingerprint or tuple(json.loads(meta["tokens"])) != tokens:
@@ -401,15 +429,20 @@ class DiskTier:
                     context.append(c)
             target = TargetCache(layers=layers[:count])
             os.utime(path)  # recently used: the last to go
-        except Exception as e:
-            console.print(
-                f"note: the prompt cache file {path} could not be read ({type(e).__name__}); ignored",
-                style="yellow",
-                soft_wrap=True,
-            )
-            self.index.pop(tokens, None)
+        except Exception as e:  # truncated, removed by another process, overwritten
+            self._remove_unreadable(tokens, e)
             return None
         return Snapshot(tokens, target, context, _nbytes(_states(target, context)), on_disk=True)
+
+    def _remove_unreadable(self, tokens: tuple, error: Exception) -> None:
+        """`tokens`' entry, whose file could not be read, forgotten and its file removed: said once."""
+        path = self._forget(tokens)
+        try:
+            path.unlink(missing_ok=True)
+            outcome = "removed"
+        except OSError as e:  # a folder this process may read but not write
+            outcome = f"passed over (it could not be removed: {e.strerror})"
+        logger.warning("the prompt cache file %s could not be read (%s); %s", path, type(error).__name__, outcome)
 
     def write(self, tokens: tuple, target: TargetCache, context: Optional[list]) -> bool:
         """An entry's whole state written to its file; whether it was."""
@@ -431,11 +464,7 @@ class DiskTier:
             os.replace(temporary, path)
         except OSError as e:
             temporary.unlink(missing_ok=True)
-            console.print(
-                f"note: could not write a prompt cache entry to {self.folder} ({e.strerror})",
-                style="yellow",
-                soft_wrap=True,
-            )
+            logger.warning("could not write a prompt cache entry to %s (%s)", self.folder, e.strerror)
             return False
         self._add(tokens, path)
         self._bound()
@@ -450,5 +479,4 @@ class DiskTier:
             total -= path.stat().st_size
             path.unlink(missing_ok=True)
             for tokens in [t for t, p in self.index.items() if p == path]:
-                del self.index[tokens]
-                self.trie.pop(MODEL, list(tokens))
+                self._forget(tokens)

@@ -1,12 +1,21 @@
 """Prefix reuse is exact: a prompt served from the prompt cache decodes exactly as cold."""
 
+import hashlib
+import json
+import logging
+import os
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
-from dflash_mlx import engine
+from dflash_mlx import engine, load
+from dflash_mlx.api.loading import _fingerprint
 from dflash_mlx.engine import SHARED_MIN, Decoder, decode, shared_length
+from dflash_mlx.io.storage import CACHE_ENV
 from dflash_mlx.model import DecodeStats, DFlashModel
 from dflash_mlx.prompt_cache import PromptCache, default_bytes
 from dflash_mlx.request import Request
@@ -315,7 +324,7 @@ def test_entries_on_disk_survive_a_restart_and_restore_exactly(model_type, overr
     assert run(model, follow_up, PromptCache(folder=tmp_path, fingerprint="pair-b"))[1] == 0
 
 
-def test_the_ram_tier_spills_to_a_bounded_folder(tmp_path, capsys):
+def test_the_ram_tier_spills_to_a_bounded_folder(tmp_path, caplog):
     target = tiny_target("qwen3", seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
     probe = PromptCache()
@@ -329,11 +338,153 @@ def test_the_ram_tier_spills_to_a_bounded_folder(tmp_path, capsys):
     assert sum(f.stat().st_size for f in files) <= 6 * entry * 1.1  # bounded (+ file headers)
     warm, cached = run(model, [4] + SYSTEM + [9], cache)
     assert cached >= len(SYSTEM) and warm == run(model, [4] + SYSTEM + [9])[0]
-    capsys.readouterr()  # (a state longer than the one-entry cache was said too)
+    caplog.clear()  # (a state longer than the one-entry cache was said too)
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     PromptCache(folder=tmp_path, fingerprint="pair")
-    said = capsys.readouterr().err.strip().splitlines()
+    said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "broken.safetensors" in said[0] and "passed over" in said[0]
+
+
+def one_session_on_disk(model, folder) -> tuple[tuple, tuple]:
+    """Two entries in `folder`, the first a prefix of the second (a session's two turns, each
+    written at a shutdown): their tokens."""
+    first = PromptCache(folder=folder, fingerprint="pair")
+    answer, _ = run(model, SYSTEM, first)
+    first.flush()
+    second = PromptCache(folder=folder, fingerprint="pair")
+    run(model, SYSTEM + answer + [3, 4], second)
+    second.flush()
+    shorter, longer = sorted(PromptCache(folder=folder, fingerprint="pair").disk.index, key=len)
+    assert longer[: len(shorter)] == shorter
+    return shorter, longer
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_an_unreadable_entry_is_removed_and_the_shorter_one_behind_it_serves(damage, tmp_path, caplog):
+    """An entry's file damaged or gone after start-up (by hand, or by another process sharing the
+    folder): the lookup meeting it says so in one line, takes it out of the folder and of the
+    lookup alike, and restores the valid shorter entry behind it; later lookups are never
+    offered it again."""
+    target = tiny_target("llama", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    shorter, longer = one_session_on_disk(model, tmp_path)
+    cache = PromptCache(folder=tmp_path, fingerprint="pair")
+    broken = cache.disk.index[longer]
+    if damage == "truncated":
+        broken.write_bytes(broken.read_bytes()[:100])
+    else:
+        broken.unlink()
+    caplog.clear()
+    prompt = list(longer) + [5, 6]
+    warm, cached = run(model, prompt, cache)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and broken.name in said[0] and "removed" in said[0], said
+    assert not broken.exists() and longer not in cache.disk.index
+    assert cache.disk.candidates(list(longer)) == [(shorter, len(shorter))]
+    assert cached == len(shorter) and warm == run(model, prompt)[0]
+    caplog.clear()
+    assert run(model, prompt, cache)[1] == len(prompt) - 1 and not caplog.records
+
+
+def test_an_entry_on_disk_larger_than_the_ram_tier_serves_and_is_not_kept(tmp_path):
+    """A restart with a smaller --prompt-cache-bytes: an entry on disk larger than the whole RAM
+    tier restores the request it serves, and is not kept in RAM (it would push every other
+    entry out, and still not fit)."""
+    target = tiny_target("llama", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    first = PromptCache(folder=tmp_path, fingerprint="pair")
+    answer, _ = run(model, SYSTEM, first)
+    first.flush()
+    small = PromptCache(max_bytes=1024, folder=tmp_path, fingerprint="pair")
+    follow_up = SYSTEM + answer + [3, 4]
+    warm, cached = run(model, follow_up, small)
+    assert cached == len(SYSTEM) + len(answer) - 1 and warm == run(model, follow_up)[0]
+    assert not small.entries and small.nbytes == 0
+
+
+def test_an_entry_on_disk_is_not_kept_twice_in_ram(tmp_path):
+    """A hybrid's entry read from disk for a prompt departing from it midway cannot serve it (its
+    recurrent state cannot be cut back) but is kept in RAM; prompts departing later, offered it
+    again by the disk tier, do not read and keep it a second time (the copy it would replace
+    would hold its shared pieces forever)."""
+    target = tiny_target("qwen3_5", seed=2)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    long = list(range(30, 100))
+    first = PromptCache(folder=tmp_path, fingerprint="pair", piece_tokens=8)
+    run(model, long, first)
+    first.flush()
+    cache = PromptCache(folder=tmp_path, fingerprint="pair", piece_tokens=8)
+    reads, read = [], cache.disk.read
+    cache.disk.read = lambda tokens: reads.append(tokens) or read(tokens)
+    for departure in (40, 45, 50):
+        run(model, long[:departure] + [1], cache)
+        held = Counter(name for entry in cache.entries.values() for name in entry.pieces)
+        assert held == Counter(cache.pieces.holders), departure
+    assert len(reads) == 1
+
+
+def rewrite_in_place(path: Path, seed: int) -> None:
+    """`path`'s float32 weights given other values, written over the old ones in the same file
+    (its header, so its size, unchanged), and its mtime set back to what it was."""
+    before = path.stat()
+    rng = np.random.default_rng(seed)
+    with open(path, "r+b") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+        for tensor in [t for name, t in header.items() if name != "__metadata__" and t["dtype"] == "F32"]:
+            start, end = (8 + length + offset for offset in tensor["data_offsets"])
+            f.seek(start)
+            weights = np.frombuffer(f.read(end - start), dtype=np.float32)
+            noise = rng.normal(size=weights.shape).astype(np.float32) * np.abs(weights).mean()
+            f.seek(start)
+            f.write((weights + noise).tobytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+
+
+def test_weights_changed_in_place_never_meet_the_old_weights_saved_states(tiny_dirs, tmp_path, monkeypatch):
+    """A model dir whose weights are rewritten in place (same file, same size, mtime set back),
+    served again on the same prompt cache folder: its fingerprint says what the weights are, so
+    the old weights' states are not read and the answer is the changed model's own.  Read with
+    the old fingerprint (names and sizes: unchanged), they would change it."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    model_dir = shutil.copytree(tiny_dirs[0], tmp_path / "model")
+    old, _ = load(str(model_dir), use_draft=False)
+    folder = tmp_path / "prompt-cache"
+    cache = PromptCache(folder=folder, fingerprint=old.fingerprint)
+    answer, _ = run(old, SYSTEM, cache)
+    cache.flush()
+    rewrite_in_place(model_dir / "model.safetensors", seed=5)
+    changed, _ = load(str(model_dir), use_draft=False)
+    assert changed.fingerprint != old.fingerprint
+    follow_up = SYSTEM + answer + [3, 4]
+    cold = run(changed, follow_up)[0]
+    warm, cached = run(changed, follow_up, PromptCache(folder=folder, fingerprint=changed.fingerprint))
+    assert cached == 0 and warm == cold
+    stale, cached = run(changed, follow_up, PromptCache(folder=folder, fingerprint=old.fingerprint))
+    assert cached > 0 and stale != cold
+
+
+def test_weights_are_hashed_again_only_when_their_file_changes(tmp_path, monkeypatch):
+    """Hashing a multi-GB model takes seconds: a weight file's digest is stored in the cache
+    folder and read back while the file's size, mtime and ctime stay; a rewrite is hashed again
+    (its mtime set back too).  A cache folder that cannot be written costs a hashing, not the load."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    hashed, file_digest = [], hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, name: hashed.append(f.name) or file_digest(f, name))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    mx.save_safetensors(str(folder / "model.safetensors"), {"w": mx.arange(64, dtype=mx.float32)})
+    first = _fingerprint(folder)
+    assert len(hashed) == 1 and (tmp_path / "cache").is_dir()
+    assert _fingerprint(folder) == first and len(hashed) == 1
+    rewrite_in_place(folder / "model.safetensors", seed=3)
+    rewritten = _fingerprint(folder)
+    assert rewritten != first and len(hashed) == 2
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "a-file" / "cache"))  # no folder can be made there
+    assert _fingerprint(folder) == rewritten and len(hashed) == 3
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5"])
@@ -366,7 +517,7 @@ def test_sessions_on_one_system_prompt_hold_it_once(model_type):
     assert set(shared.pieces.arrays) == set(held(shared)) == set(alone.pieces.arrays)
 
 
-def test_a_state_larger_than_the_cache_is_said_once(capsys):
+def test_a_state_larger_than_the_cache_is_said_once(caplog):
     """A prompt cache too small for a prompt's state keeps nothing of it: said in one line (the
     first time), not left for the user to discover as slow turns."""
     target = tiny_target("qwen3", seed=2)
@@ -374,7 +525,7 @@ def test_a_state_larger_than_the_cache_is_said_once(capsys):
     small = PromptCache(max_bytes=1024)
     for prompt in (SYSTEM, SYSTEM + [1, 2]):
         assert run(model, prompt, small)[1] == 0
-    said = capsys.readouterr().err.strip().splitlines()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert not small.entries and small.refused >= 2
     assert len(said) == 1 and "larger than the whole prompt cache" in said[0] and "--prompt-cache-bytes" in said[0]
 

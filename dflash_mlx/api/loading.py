@@ -2,6 +2,7 @@
 with the adaptive plan's measured costs, on one machine or split over several."""
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -14,7 +15,7 @@ from ..drafters import load_draft
 from ..fused_ops import fuse
 from ..io import blas
 from ..io.progress import console
-from ..io.storage import cache_dir, fetch
+from ..io.storage import atomic_write, cache_dir, fetch
 from ..model import DFlashModel
 from ..plan import Planner
 from ..suffix import SuffixStore
@@ -98,14 +99,71 @@ def load(
 _said: set[str] = set()  # one-line notices already printed by this process
 
 
+WEIGHT_DIGESTS = "weight-digests.json"  # in cache_dir(): each weight file's sha256, by path
+
+
 def _fingerprint(folder: Path) -> str:
-    """Changes when a model dir's files change (its measured costs and saved states then do too)."""
+    """Changes when a model dir's contents change (its measured costs and saved prompt states
+    then do too): a hash of its JSON files' bytes and of its weights' bytes (*.safetensors, all
+    that mlx-lm's and the drafter's loaders read; a GGUF is converted to them first).
+
+    Hashing a multi-GB model takes seconds, so each weight file's sha256 is kept in
+    WEIGHT_DIGESTS with the file's size, mtime and ctime, and hashed again only when one of them
+    changes.  The ctime is what makes this safe: weights rewritten in place at the same size are
+    caught even when a tool sets their mtime back, as setting it sets the ctime, which only the
+    kernel sets.  Not caught: a rewrite within one tick of the file system's clock after the last
+    hashing (the timestamps then repeat).  A ctime changed alone (chmod, a new hard link) costs a
+    hashing, and a cache folder that cannot be written one per load; neither fails the load."""
     digest = hashlib.sha1()
-    for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
-        digest.update(f"{f.name}:{f.stat().st_size}".encode())
-        if f.suffix == ".json":
-            digest.update(f.read_bytes())
+    for f in sorted(folder.glob("*.json")):
+        digest.update(f"{f.name}:".encode() + f.read_bytes())
+    for name, sha256 in _weight_digests(folder).items():
+        digest.update(f"{name}:{sha256}".encode())
     return digest.hexdigest()[:10]
+
+
+def _weight_digests(folder: Path) -> dict[str, str]:
+    """The sha256 of each *.safetensors file in `folder`, by name: the stored one while the
+    file's stat is unchanged, else hashed now (and stored)."""
+    store = cache_dir() / WEIGHT_DIGESTS
+    known = _stored_digests(store)
+    files = {f: (str(f.resolve()), _stat(f)) for f in sorted(folder.glob("*.safetensors"))}
+    stale = [f for f, (path, stat) in files.items() if known.get(path, {}).get("stat") != stat]
+    if sum(f.stat().st_size for f in stale) >= 1 << 30:  # seconds: say why the load pauses
+        console.print(f"Hashing the weights in {folder} (once, and again when they change)", style="dim")
+    for f in stale:
+        path, stat = files[f]
+        with open(f, "rb") as weights:
+            known[path] = {"stat": stat, "sha256": hashlib.file_digest(weights, "sha256").hexdigest()}
+    if stale:
+        _store_digests(store, known)
+    return {f.name: known[path]["sha256"] for f, (path, _) in files.items()}
+
+
+def _stat(f: Path) -> list[int]:
+    """What changes when `f`'s bytes may have: its size, mtime and ctime (a list, as JSON keeps it)."""
+    stat = f.stat()
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def _stored_digests(store: Path) -> dict:
+    """{resolved path: {"stat": _stat, "sha256": hex}}; empty when the file is absent or garbled."""
+    try:
+        stored = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(stored, dict):
+        return {}
+    return {path: record for path, record in stored.items() if isinstance(record, dict) and "sha256" in record}
+
+
+def _store_digests(store: Path, known: dict) -> None:
+    """`known` written to `store` (whole or not at all), without the files that are gone."""
+    kept = {path: record for path, record in known.items() if Path(path).exists()}
+    try:
+        atomic_write(store, json.dumps(kept))
+    except OSError:
+        pass  # not writable: the weights are hashed again next load, and this one goes on
 
 
 def _pipeline_group(distributed: Optional[str], timeout: float):
