@@ -250,6 +250,11 @@ def serve(
         "--drain-seconds",
         help="On SIGTERM or Ctrl-C, let running requests finish for this long (new ones get 503), then stop.",
     ),
+    log_level: str = typer.Option(
+        "info",
+        "--log-level",
+        help="debug, info (an access line per request), warning or error (5xx with their tracebacks).",
+    ),
     distributed: Optional[str] = DISTRIBUTED,
     split: Optional[str] = SPLIT,
     timeout: float = TIMEOUT,
@@ -257,9 +262,13 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
     try:
         from .serve import make_app, run
+        from .serve.app import LOG_LEVELS, configure_logging
         from .serve.guard import host_name, is_loopback
     except ImportError as e:
         fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
+    if log_level.lower() not in LOG_LEVELS:
+        fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level}")
+    configure_logging(log_level.lower())
     if quant not in (None, 4, 8):
         fail(f"--quant must be 4 or 8, got {quant}")
     if (
@@ -338,7 +347,7 @@ def serve(
         err=True,
     )
     try:
-        run(server, host, port, drain_seconds)
+        run(server, host, port, drain_seconds, log_level.lower())
     finally:
         if distributed is not None:
             try:

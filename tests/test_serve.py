@@ -416,6 +416,8 @@ def test_the_command_serves_and_stops_cleanly_on_ctrl_c(tiny_dirs):
         proc.kill()
     assert proc.returncode == 0, err[-800:]
     assert "Traceback" not in err
+    # --log-level info (the default): one access line per request, uvicorn's own off
+    assert err.count('"POST /v1/completions HTTP/1.1" 200 prompt=') == 1, err[-800:]
 
 
 def test_the_default_pair_over_http(smollm2_dir):

@@ -24,6 +24,7 @@ from .protocol import (
     answer_message,
     check_tools,
     decoding_stats,
+    generation_failure,
     number,
     prompt_tokens,
     sampling,
@@ -31,6 +32,7 @@ from .protocol import (
     unknown_fields,
 )
 from .tools import with_tool_calls
+from .validation import check_anthropic_ranges, check_anthropic_tool_results
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -164,6 +166,7 @@ class AnthropicAPI:
         if body.get("thinking") and body["thinking"].get("type") == "enabled":
             raise RequestError("thinking: the served model has no extended thinking mode; remove it")
         messages, tools = conversation(body)
+        check_anthropic_tool_results(body["messages"])
         return prompt_tokens(self.server.tokenizer, messages, tools), messages, tools
 
     async def count_tokens(self, request: Request):
@@ -179,6 +182,7 @@ class AnthropicAPI:
             body = await self.server.body(request)
             prompt, messages, tools = self._prompt(body)
             max_tokens = self.server.max_tokens(body, ("max_tokens",), None)
+            check_anthropic_ranges(body)
             options = sampling(body, {"stop": "stop_sequences"})
             number(body, "top_k", 0, numbers.Integral, low=0)
             stream = body.get("stream", False)
@@ -195,11 +199,14 @@ class AnthropicAPI:
             return StreamingResponse(
                 message.stream(job, first), media_type="text/event-stream", headers=headers, background=follow
             )
+        return await self.server.while_connected(request, self._whole(message, job, first, headers, follow))
+
+    async def _whole(self, message: "_Message", job, first, headers: dict, follow: BackgroundTask) -> JSONResponse:
         try:
             async for _ in message.run(job, first):
                 pass
-        except RequestError as e:
-            return self.error(e)
+        except Exception as e:
+            return self.error(generation_failure(e))
         return JSONResponse(message.snapshot(), headers=headers, background=follow)
 
 
@@ -330,6 +337,7 @@ class _Message:
             )
             yield self._event("message_stop")
         except Exception as e:
-            yield self._event("error", error={"type": "api_error", "message": f"generation failed: {e}"})
+            failure = self.server.stream_failed(e)
+            yield self._event("error", error={"type": "api_error", "message": str(failure)})
         finally:
             job.cancelled.set()

@@ -4,23 +4,28 @@ text completions, Responses; openai_api.py) and the Anthropic Messages API
 
 Every response says how it was decoded (tau, acceptance histogram, drafting and
 plain cycles), so a fallback to plain decoding is never silent.  Bad requests get
-a 4xx in the format of the API they called, and the server keeps serving.  Any
+a 4xx in the format of the API they called, and the server keeps serving.  Each
+request gets an access line (AccessLog), each 5xx is logged with its traceback, and
+a request whose client has gone stops generating, streamed or not.  Any
 model name is answered by the one model served (local clients often send a
 default such as gpt-3.5-turbo); responses name the model that answered.
 """
 
 import contextlib
+import contextvars
 import json
+import logging
 import numbers
+import queue
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Optional
 
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
@@ -30,13 +35,18 @@ from .anthropic_api import AnthropicAPI
 from .guard import Guard
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
-from .protocol import RequestError, answer_message, next_turn_tokens, number
+from .protocol import RequestError, answer_message, generation_failure, next_turn_tokens, number
 from .worker import DONE, Draining, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
 MAX_BATCH_TOKENS = 32768  # 8 rows of 4k tokens; a longer request runs alone
 ANSWER_FOLLOW_EVERY = 128  # answer tokens between looks at how its text so far reads back
 ANSWER_TAIL = 16  # an answer's last tokens (and the turn's closing ones) may read back otherwise once more follows
+EVENT_WAIT = 1.0  # seconds between looks at whether the engine thread is still there, while a job waits
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away before its answer
+
+log = logging.getLogger("dflash_mlx.serve")
+access_log = logging.getLogger("dflash_mlx.serve.access")
 
 
 class Server:
@@ -107,7 +117,7 @@ class Server:
             exception_handlers={HTTPException: self._http_error},
             lifespan=self._lifespan,
         )
-        self.app = Guard(routes, self._refused_early, **access)
+        self.app = AccessLog(Guard(routes, self._refused_early, **access))
 
     def drain(self, seconds: float) -> None:
         """Stop gracefully: new requests get 503, running ones finish for up to `seconds` and are
@@ -220,22 +230,60 @@ class Server:
             raise RequestError(str(e), 429, code="queue_full") from None
         except Draining as e:
             raise RequestError(str(e), 503) from None
-        first = await anyio.to_thread.run_sync(job.events.get)
+        try:
+            first = await self.next_event(job)
+        except BaseException:  # its client gone (a cancelled wait) or the engine stopped: it is dropped
+            job.cancelled.set()
+            raise
         if isinstance(first, Exception):
-            await anyio.to_thread.run_sync(job.events.get)  # DONE
+            await self.next_event(job)  # DONE
             status = 503 if isinstance(first, Draining) else 400 if isinstance(first, (ValueError, TypeError)) else 500
-            raise RequestError(str(first), status)
+            raise RequestError(str(first), status) from first  # a 500 is logged with the engine's traceback
         return job, first
+
+    async def next_event(self, job: Job):
+        """The job's next event, waited for in bounded slices: an engine thread that has ended
+        (stopped, or killed by an error) fails the request instead of leaving it waiting for ever."""
+        while True:
+            try:
+                return await anyio.to_thread.run_sync(job.events.get, True, EVENT_WAIT)
+            except queue.Empty:
+                if self.worker.alive:
+                    continue
+            try:  # the thread may have put the event just before it ended
+                return job.events.get_nowait()
+            except queue.Empty:
+                raise RequestError("the engine stopped; restart the server", 503) from None
+
+    async def while_connected(self, request: Request, answer: Awaitable[Response]) -> Response:
+        """`answer`, a non-streamed response being generated, given up if its client goes away
+        first (a client that timed out, say): its job is then cancelled (Server.events), so the
+        engine frees its row at the next step, and the request is logged with status 499.  Streams
+        need none of this: Starlette stops them when the client goes."""
+        async with anyio.create_task_group() as group:
+
+            async def watch_for_disconnect():
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch_for_disconnect)
+            response = await answer
+            group.cancel_scope.cancel()
+            return response
+        return Response(status_code=CLIENT_CLOSED)  # no one reads it; the access line says what happened
 
     async def events(self, job: Job, first, chat: Optional[tuple[list[dict], list]] = None) -> AsyncIterator:
         """The job's responses, one per decode cycle, from `first` to the one with a finish_reason.
-        Leaving early (a client gone) frees the engine at its next cycle.  `chat`: the messages
-        and tools of a chat the job answers (prefill_next_turn as its answer grows)."""
-        event, text, followed = first, "", 0
+        Leaving early (a client gone) frees the engine at its next cycle.  What it generated goes
+        on its request's access line (AccessLog).  `chat`: the messages and tools of a chat the job
+        answers (prefill_next_turn as its answer grows)."""
+        event, text, followed, last = first, "", 0, None
         try:
             while event is not DONE:
                 if isinstance(event, Exception):
                     raise event
+                last = event
                 yield event
                 text += event.text
                 if (
@@ -245,9 +293,12 @@ class Server:
                 ):
                     followed = event.generation_tokens
                     self.prefill_next_turn(chat[0] + [answer_message(text, [])], chat[1], ANSWER_TAIL)
-                event = await anyio.to_thread.run_sync(job.events.get)
+                event = await self.next_event(job)
         finally:
             job.cancelled.set()
+            access = _ACCESS.get(None)
+            if access is not None and last is not None:
+                access.generated(last)
 
     def prefill_next_turn(self, conversation: list[dict], tools: list, tail: int = 0) -> None:
         """A chat answered (`conversation`: its messages, then the answer as the client sends it
@@ -271,7 +322,89 @@ class Server:
             self.worker.prefill_when_idle(tokens[: len(tokens) - tail])
 
     def refused(self, error: RequestError) -> None:
+        """A request answered with an error (or a stream ended by one): counted, and a 5xx logged
+        with the traceback of what caused it, if anything did."""
         self.metrics.rejected(error.status)
+        if error.status >= 500:
+            log.error("%d: %s", error.status, error, exc_info=error.__cause__)
+
+    def stream_failed(self, error: Exception) -> RequestError:
+        """A stream ended by `error` (its status sent already): what its last event says, counted
+        and logged as a refusal is."""
+        failure = generation_failure(error)
+        self.refused(failure)
+        return failure
+
+
+class _Access:
+    """What a request's access line says; the generations answering it add their tokens."""
+
+    def __init__(self, scope: dict):
+        client = scope.get("client")
+        query = scope.get("query_string") or b""
+        path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        self.client = f"{client[0]}:{client[1]}" if client else "-"
+        self.request = f"{scope['method']} {path} HTTP/{scope.get('http_version', '1.1')}"
+        self.started = time.monotonic()
+        self.status: Optional[int] = None
+        self.complete = self.client_gone = False
+        self.tokens: Optional[tuple[int, int, int]] = None  # prompt, cached, generated
+
+    def generated(self, last) -> None:
+        """A generation (one of n choices) ended; `last`: its final response, or the last one out."""
+        generated = last.generation_tokens + (self.tokens[2] if self.tokens else 0)
+        self.tokens = (last.prompt_tokens, last.cached_tokens, generated)
+
+    def line(self) -> str:
+        status = CLIENT_CLOSED if self.client_gone else self.status or 500
+        tokens = "" if self.tokens is None else " prompt=%d cached=%d generated=%d" % self.tokens
+        return f'{self.client} - "{self.request}" {status}{tokens} {time.monotonic() - self.started:.3f}s'
+
+
+# the access line of the request being answered, for Server.events (the stream of a StreamingResponse
+# runs in a task of its own, which starts with a copy of its request's context: the same line)
+_ACCESS: contextvars.ContextVar[_Access] = contextvars.ContextVar("dflash_mlx_access")
+
+
+class AccessLog:
+    """ASGI middleware: one line per HTTP request on the dflash_mlx.serve.access logger once its
+    response is out (a stream's when it ends), uvicorn-style, with the tokens of the generations
+    that answered it and the seconds it took; a client gone before the end is logged 499.  An
+    exception that escaped the routes (Starlette has sent its 500) is logged here with its traceback."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        access = _Access(scope)
+        token = _ACCESS.set(access)
+
+        async def receiving():
+            message = await receive()
+            if message["type"] == "http.disconnect" and not access.complete:
+                access.client_gone = True
+            return message
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                access.status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                access.complete = True
+            await send(message)
+
+        try:
+            await self.app(scope, receiving, sending)
+        except ClientDisconnect:  # gone while its body was read
+            access.client_gone = True
+        except Exception:
+            log.exception("unhandled error answering %s", access.request)  # uvicorn would log it again
+            if access.status is None:
+                await PlainTextResponse("Internal Server Error", 500)(scope, receiving, sending)
+        finally:
+            _ACCESS.reset(token)
+            access_log.info(access.line())
 
 
 def make_app(
@@ -321,9 +454,22 @@ def batch_refusal(model) -> Optional[str]:
     return model.target.batch_refusal()
 
 
-def run(server: Server, host: str = "127.0.0.1", port: int = 8080, drain_seconds: float = 10.0) -> None:
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(level: str = "info") -> None:
+    """Timestamped lines on stderr for the server's loggers (dflash_mlx.serve, its .access lines)
+    and uvicorn's, at `level` (one of LOG_LEVELS)."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(
+    server: Server, host: str = "127.0.0.1", port: int = 8080, drain_seconds: float = 10.0, log_level: str = "info"
+) -> None:
     """Serve until SIGTERM or Ctrl-C, then drain (Server.drain) and return; a second signal
-    stops at once.  The signal is not re-raised: a drained server exits 0."""
+    stops at once.  The signal is not re-raised: a drained server exits 0.  Logging is the
+    caller's (configure_logging): uvicorn's loggers propagate to it, and its access log is off
+    (AccessLog writes the server's own)."""
     import threading
 
     import uvicorn
@@ -342,7 +488,8 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080, drain_seconds
             threading.Thread(target=drain_then_exit, name="dflash-drain", daemon=True).start()
 
     server.worker.warmed.wait()  # the port opens once the model is warm: no first request waits behind it
-    Draining(uvicorn.Config(server.app, host=host, port=port, log_level="warning")).run()
+    config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, access_log=False, log_config=None)
+    Draining(config).run()
 
 
 def serve_in_background(server: Server, host: str = "127.0.0.1"):
@@ -356,11 +503,11 @@ def serve_in_background(server: Server, host: str = "127.0.0.1"):
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="error"))
+    http = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="error", access_log=False))
     threading.Thread(target=http.run, daemon=True).start()
     while not http.started:
         time.sleep(0.05)
     return http, port
 
 
-__all__: list[Any] = ["Server", "make_app", "run", "serve_in_background"]
+__all__: list[Any] = ["Server", "configure_logging", "make_app", "run", "serve_in_background"]

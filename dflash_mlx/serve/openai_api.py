@@ -26,6 +26,7 @@ from .protocol import (
     arguments_json,
     check_tools,
     decoding_stats,
+    generation_failure,
     number,
     prompt_tokens,
     refuse_nonzero,
@@ -34,6 +35,7 @@ from .protocol import (
     unknown_fields,
 )
 from .tools import with_tool_calls
+from .validation import check_function_call_outputs, check_openai_ranges, check_openai_tool_messages
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "block_size"}
 NO_EFFECT = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream", "stream_options"}
@@ -183,6 +185,7 @@ class OpenAIAPI:
             if m.get("tool_call_id") is not None:
                 message["tool_call_id"] = m["tool_call_id"]
             normalised.append(message)
+        check_openai_tool_messages(normalised)
         tools = _tools_for(check_tools(body.get("tools")), body.get("tool_choice"))
         logprobs = None
         if body.get("logprobs"):
@@ -233,6 +236,7 @@ class OpenAIAPI:
                 prompt, messages, tools, logprobs, grammar = self._chat_request(body)
             else:
                 (prompt, logprobs), messages, tools, grammar = self._completion_request(body), None, None, None
+            check_openai_ranges(body)
             options = {**sampling(body, {"stop": "stop"}), "logprobs": logprobs, "grammar": grammar}
             max_tokens, stream, include_usage = self._common(body, 512 if chat else 16)
             n = number(body, "n", 1, numbers.Integral, 1, MAX_CHOICES)
@@ -249,7 +253,7 @@ class OpenAIAPI:
                 headers=self._headers(ignored),
                 background=BackgroundTask(choices.prefill_next_turn),
             )
-        response = await self._whole(choices, ident, chat, tools, ignored)
+        response = await self.server.while_connected(request, self._whole(choices, ident, chat, tools, ignored))
         response.background = BackgroundTask(choices.prefill_next_turn)
         return response
 
@@ -322,10 +326,10 @@ class OpenAIAPI:
                     )
                 )
                 finals.append(last)
-        except RequestError as e:
-            return self.error(e)
         except Exception as e:
-            return self.error(RequestError(f"generation failed: {e}", 500))
+            return self.error(generation_failure(e))
+        finally:
+            choices.close()  # choices not reached (one failed) or cut short (their client gone)
         return JSONResponse(
             {
                 "id": ident,
@@ -377,11 +381,8 @@ class OpenAIAPI:
                 yield chunk([], usage=self._usage(finals, ignored))
             yield "data: [DONE]\n\n"
         except Exception as e:
-            yield (
-                "data: "
-                + json.dumps({"error": {"message": f"generation failed: {e}", "type": "server_error"}})
-                + "\n\n"
-            )
+            failure = self.server.stream_failed(e)
+            yield "data: " + json.dumps({"error": {"message": str(failure), "type": "server_error"}}) + "\n\n"
         finally:
             choices.close()
 
@@ -415,6 +416,7 @@ class OpenAIAPI:
         if not isinstance(items, list) or not items:
             raise RequestError("input must be a non-empty string or a list of items", param="input")
         messages += input_messages(items)
+        check_function_call_outputs(items)
         raw_tools = body.get("tools") or []
         if not isinstance(raw_tools, list):
             raise RequestError("tools must be a list", param="tools")
@@ -434,6 +436,7 @@ class OpenAIAPI:
         try:
             body = await self.server.body(request)
             prompt, messages, tools, logprobs, grammar = self._responses_request(body)
+            check_openai_ranges(body)
             options = {**sampling(body, {"stop": "stop"}), "logprobs": logprobs, "grammar": grammar}
             max_tokens, stream, _ = self._common(body, 512, ("max_output_tokens",))
             ignored = unknown_fields(body, RESPONSES_FIELDS)
@@ -449,12 +452,15 @@ class OpenAIAPI:
                 headers=self._headers(ignored),
                 background=follow,
             )
+        return await self.server.while_connected(request, self._whole_response(response, job, first, follow))
+
+    async def _whole_response(self, response: "_Response", job, first, follow: BackgroundTask) -> JSONResponse:
         try:
             async for _ in response.run(job, first):
                 pass
-        except RequestError as e:
-            return self.error(e)
-        return JSONResponse(response.snapshot(), headers=self._headers(ignored), background=follow)
+        except Exception as e:
+            return self.error(generation_failure(e))
+        return JSONResponse(response.snapshot(), headers=self._headers(response.ignored), background=follow)
 
 
 def input_messages(items: list) -> list[dict]:
@@ -711,6 +717,6 @@ class _Response:
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
             )
         except Exception as e:
-            yield self._event("error", code="server_error", message=f"generation failed: {e}", param=None)
+            yield self._event("error", code="server_error", message=str(self.api.server.stream_failed(e)), param=None)
         finally:
             job.cancelled.set()

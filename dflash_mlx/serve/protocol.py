@@ -26,6 +26,17 @@ class RequestError(Exception):
         self.status, self.param, self.code = status, param, code
 
 
+def generation_failure(error: Exception) -> RequestError:
+    """A generation that failed with `error` (a bug, or the engine's exception, its traceback from
+    the engine thread), as the 500 its client gets, caused by it (logged with its traceback when
+    answered: Server.refused); a RequestError as it is."""
+    if isinstance(error, RequestError):
+        return error
+    failed = RequestError(f"generation failed: {error}", 500)
+    failed.__cause__ = error
+    return failed
+
+
 def number(body: dict, name: str, default, kind=numbers.Real, low=None, high=None):
     """body[name] checked to be a number (an integer for kind=numbers.Integral) in [low, high]."""
     value = body.get(name, default)
