@@ -14,9 +14,9 @@ from .api import (  # noqa: E402
     stream_generate,
 )
 from .drafters import DFlashDraftModel, DraftArgs, load_draft  # noqa: E402
-from .model import DecodeStats, DFlashModel  # noqa: E402
-from .grammar import Grammar  # noqa: E402
-from .target import Target  # noqa: E402
+from .decode.model import DecodeStats, DFlashModel  # noqa: E402
+from .decode.grammar import Grammar  # noqa: E402
+from .target.wrapper import Target  # noqa: E402
 
 __all__ = [
     "load",

@@ -1,5 +1,6 @@
 """`dflash-mlx` command line."""
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -259,74 +260,115 @@ def serve(
     split: Optional[str] = SPLIT,
     timeout: float = TIMEOUT,
 ):
-    """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
-    try:
-        from .serve import make_app, run
-        from .serve.app import LOG_LEVELS, configure_logging
-        from .serve.guard import host_name, is_loopback
-    except ImportError as e:
-        fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
-    if log_level.lower() not in LOG_LEVELS:
-        fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level}")
-    configure_logging(log_level.lower())
-    if quant not in (None, 4, 8):
-        fail(f"--quant must be 4 or 8, got {quant}")
-    if (
-        max_queue < 1
-        or max_batch < 1
-        or (max_batch_tokens is not None and max_batch_tokens < 1)
-        or not 0 < port < 65536
-    ):
-        fail("--max-queue, --max-batch and --max-batch-tokens must be >= 1 and --port in 1..65535")
-    if not 0 <= drain_seconds <= 3600:
-        fail(f"--drain-seconds must be between 0 and 3600, got {drain_seconds}")
-    from .api import load
-
-    if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
-        fail(f"--prompt-cache-bytes must be >= 0, got {prompt_cache_bytes}")
-    if api_key is not None and not api_key.strip():
-        fail("--api-key is empty; give a key, or leave the option out")
-    if prompt_cache_disk_bytes < 1:
-        fail(f"--prompt-cache-disk-bytes must be >= 1, got {prompt_cache_disk_bytes}")
-    if prompt_cache_dir is not None:
-        from .io.storage import writable
-
-        if prompt_cache_bytes == 0:
-            fail("--prompt-cache-dir needs the prompt cache: drop --prompt-cache-bytes 0")
-        writable(Path(prompt_cache_dir), "prompt cache")
-    pipeline = pipeline_options(distributed, split, timeout)
-    pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive, **pipeline)
-    if no_suffix_drafts:
-        pair.suffixes = None
-    if distributed is not None:
-        if not pair.target.is_driver:
-            try:
-                pair.target.follow(wait_forever=True)  # rank 0 serves; an idle server is not a lost rank
-            except KeyboardInterrupt:  # Ctrl-C reaches every rank of mlx.launch; rank 0 reports
-                pass
-            return
-        if prompt_cache_bytes != 0:
-            typer.secho(
-                "note: prefix reuse is off with --distributed (the other ranks' caches are not snapshotted yet)",
-                err=True,
-                fg=typer.colors.YELLOW,
-            )
-            prompt_cache_bytes = 0
-    name = model or "SmolLM2-135M-Instruct"
-    server = make_app(
-        pair,
-        tokenizer,
-        name,
-        max_queue,
-        prompt_cache_bytes,
-        max_batch,
-        max_batch_tokens,
+    """Serve the model over the OpenAI API (chat, text completions, Responses) and the Anthropic Messages API."""
+    serving = _server_module()
+    _start_logging(serving, log_level)
+    options = serving.ServerOptions(
+        max_queue=max_queue,
+        prompt_cache_bytes=prompt_cache_bytes,
+        max_batch=max_batch,
+        max_batch_tokens=max_batch_tokens,
         prompt_cache_dir=prompt_cache_dir,
         prompt_cache_disk_bytes=prompt_cache_disk_bytes,
         access=dict(bind_host=host, allow_hosts=tuple(allow_host), cors_origins=tuple(cors_origin), api_key=api_key),
         next_turn_prefill=not no_next_turn_prefill,
         warm_up=distributed is None,  # not tried across pipeline ranks
     )
+    _check_serve_flags(options, quant, port, drain_seconds)
+    from .api import load
+
+    pipeline = pipeline_options(distributed, split, timeout)
+    pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive, **pipeline)
+    if no_suffix_drafts:
+        pair.suffixes = None
+    if distributed is not None and not pair.target.is_driver:
+        _follow_rank_zero(pair.target)
+        return
+    if distributed is not None:
+        options = _without_prompt_cache(options)
+    name = model or "SmolLM2-135M-Instruct"
+    server = serving.Server(pair, tokenizer, name, options)
+    _say_how_it_serves(server, name, host, port, api_key)
+    try:
+        serving.run(server, host, port, drain_seconds, log_level.lower())
+    finally:
+        if distributed is not None:
+            _stop_other_ranks(pair.target)
+
+
+def _server_module():
+    """dflash_mlx.serve.app, or exit saying how to install the server's extra."""
+    try:
+        from .serve import app as serving
+    except ImportError as e:
+        fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
+    return serving
+
+
+def _start_logging(serving, log_level: str) -> None:
+    if log_level.lower() not in serving.LOG_LEVELS:
+        fail(f"--log-level must be one of {', '.join(serving.LOG_LEVELS)}, got {log_level}")
+    serving.configure_logging(log_level.lower())
+
+
+def _check_serve_flags(options, quant: Optional[int], port: int, drain_seconds: float) -> None:
+    """The serve flags' values checked before the model loads (its errors name the flags)."""
+    if quant not in (None, 4, 8):
+        fail(f"--quant must be 4 or 8, got {quant}")
+    if (
+        options.max_queue < 1
+        or options.max_batch < 1
+        or (options.max_batch_tokens is not None and options.max_batch_tokens < 1)
+        or not 0 < port < 65536
+    ):
+        fail("--max-queue, --max-batch and --max-batch-tokens must be >= 1 and --port in 1..65535")
+    if not 0 <= drain_seconds <= 3600:
+        fail(f"--drain-seconds must be between 0 and 3600, got {drain_seconds}")
+    if options.prompt_cache_bytes is not None and options.prompt_cache_bytes < 0:
+        fail(f"--prompt-cache-bytes must be >= 0, got {options.prompt_cache_bytes}")
+    api_key = options.access["api_key"]
+    if api_key is not None and not api_key.strip():
+        fail("--api-key is empty; give a key, or leave the option out")
+    if options.prompt_cache_disk_bytes < 1:
+        fail(f"--prompt-cache-disk-bytes must be >= 1, got {options.prompt_cache_disk_bytes}")
+    if options.prompt_cache_dir is not None:
+        from .io.storage import writable
+
+        if options.prompt_cache_bytes == 0:
+            fail("--prompt-cache-dir needs the prompt cache: drop --prompt-cache-bytes 0")
+        writable(Path(options.prompt_cache_dir), "prompt cache")
+
+
+def _follow_rank_zero(target) -> None:
+    """A pipeline rank other than 0 computes its layers for rank 0, which serves, until it stops."""
+    try:
+        target.follow(wait_forever=True)  # an idle server is not a lost rank
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of mlx.launch; rank 0 reports
+        pass
+
+
+def _stop_other_ranks(target) -> None:
+    try:
+        target.finish()  # the other ranks end with the server
+    except DistributedError:
+        pass  # they stopped first (Ctrl-C reaches them too)
+
+
+def _without_prompt_cache(options):
+    """The options of a pipeline's server: no prefix reuse (said when it was asked for)."""
+    if options.prompt_cache_bytes != 0:
+        typer.secho(
+            "note: prefix reuse is off with --distributed (the other ranks' caches are not snapshotted yet)",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
+    return dataclasses.replace(options, prompt_cache_bytes=0)
+
+
+def _say_how_it_serves(server, name: str, host: str, port: int, api_key: Optional[str]) -> None:
+    """The start-up lines on stderr: who can reach it, how it batches, what it keeps."""
+    from .serve.guard import host_name, is_loopback
+
     if api_key is None and not is_loopback(host_name(host)):
         typer.secho(
             f"warning: serving beyond this machine ({host}) with no --api-key: anyone who can reach it can use it",
@@ -342,18 +384,10 @@ def serve(
     )
     typer.secho(
         f"serving {name} on http://{host}:{port}/v1 (drafter: "
-        f"{'on' if pair.draft is not None else 'off'}; batches of up to {server.max_batch}; {reuse}); "
+        f"{'on' if server.model.draft is not None else 'off'}; batches of up to {server.max_batch}; {reuse}); "
         "Ctrl-C drains and stops",
         err=True,
     )
-    try:
-        run(server, host, port, drain_seconds, log_level.lower())
-    finally:
-        if distributed is not None:
-            try:
-                pair.target.finish()  # the other ranks end with the server
-            except DistributedError:
-                pass  # they stopped first (Ctrl-C reaches them too)
 
 
 @train_app.command("make-data")

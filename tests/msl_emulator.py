@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash_mlx import kernels
+from dflash_mlx.kernels import metal as kernels
 
 launch_on_metal = kernels.run_metal  # the real launch, kept before tests route kernels.run_metal here
 

@@ -22,10 +22,10 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx.distributed import DistributedError
 from dflash_mlx.distributed.pipeline import PipelineTarget
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.target import Target
+from dflash_mlx.target.wrapper import Target
 from tiny_models import random_draft, tiny_model
 
 PROMPT = [1, 5, 9, 13, 2, 7, 40, 3, 60, 61]

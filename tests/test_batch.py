@@ -7,19 +7,19 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchRotatingKVCache
 
-from dflash_mlx import engine
-from dflash_mlx.costs import CostModel, StepTimes, context_class
+from dflash_mlx.decode import decoder as engine, verify
+from dflash_mlx.decode.costs import CostModel, StepTimes, context_class
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
-from dflash_mlx.engine import Decoder
-from dflash_mlx.fused_ops import fusing
-from dflash_mlx.plan import PLAIN, Plan, Planner, fixed_plan
-from dflash_mlx.request import Context, Request
+from dflash_mlx.decode.decoder import Decoder
+from dflash_mlx.kernels.fused_ops import fusing
+from dflash_mlx.decode.plan import PLAIN, Plan, Planner, fixed_plan
+from dflash_mlx.decode.request import Context, Request
 from dflash_mlx.drafters.dflash import ContextRows
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
-from dflash_mlx.prompt_cache import PromptCache
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.cache.prompt_cache import PromptCache
 from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.target import BatchTargetCache
+from dflash_mlx.target.wrapper import BatchTargetCache
 from test_engine import MODEL_TYPES, PROMPTS, plain_greedy
 from tiny_models import Clock, Recording, random_dflash2, random_draft, rows_oracle_draft, tiny_target
 
@@ -92,9 +92,9 @@ def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
             None if p.greedy else mx.random.gumbel((width, target.vocab_size), key=mx.random.key(i))
             for i, p in enumerate(params)
         ]
-        together = engine.draft_rows(model, lasts, contexts, width, params, noises)
+        together = verify.draft_rows(model, lasts, contexts, width, params, noises)
         alone = [
-            engine.draft_rows(model, [last], [context], width, [p], [noise])[0]
+            verify.draft_rows(model, [last], [context], width, [p], [noise])[0]
             for last, context, p, noise in zip(lasts, contexts, params, noises)
         ]
         assert [t.tolist() for t in together] == [a.tolist() for a in alone], (kind, width)

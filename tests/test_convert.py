@@ -15,8 +15,8 @@ from dflash_mlx import load
 from dflash_mlx.cli import app
 from dflash_mlx.convert.models import convert_draft, convert_target, quantize_draft
 from dflash_mlx.drafters import DFlashDraftModel, DraftLoadError, load_draft, save_draft
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from gguf_fixtures import write_gguf
 from tiny_models import draft_args, random_dflash2, tiny_target

@@ -10,8 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import cpu_kernels, fused_ops
-from dflash_mlx.fused_ops import scaled_dot_product_attention
+from dflash_mlx.kernels import cpu as cpu_kernels
+from dflash_mlx.kernels import fused_ops
+from dflash_mlx.kernels.fused_ops import scaled_dot_product_attention
 
 
 @pytest.fixture

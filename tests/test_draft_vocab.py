@@ -8,10 +8,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_mlx import engine
+from dflash_mlx.decode import verify as engine
 from dflash_mlx.drafters import DraftLoadError, load_draft, save_draft
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DFlashModel
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from test_engine import PROMPTS, plain_greedy
 from tiny_models import random_draft, tiny_target

@@ -7,10 +7,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.target import Target
+from dflash_mlx.target.wrapper import Target
 from tiny_models import (
     Recording,
     oracle_draft,
@@ -178,7 +178,7 @@ def test_rollback_restores_the_exact_state(model_type):
 
 def test_targets_whose_caches_cannot_roll_back_are_refused():
     """lfm2 keeps a short-convolution state in an ArraysCache that is no GatedDeltaNet's."""
-    from dflash_mlx.target import Target
+    from dflash_mlx.target.wrapper import Target
     from mlx_lm.models import lfm2
 
     args = lfm2.ModelArgs(
@@ -209,7 +209,7 @@ def test_recording_gated_delta_equals_mlx_lm(model_type):
     """The verify-pass mirror (gated_delta.py) computes what mlx-lm's mixer computes."""
     from mlx_lm.models.cache import ArraysCache
 
-    from dflash_mlx.gated_delta import gated_delta_forward
+    from dflash_mlx.target.gated_delta import gated_delta_forward
 
     mixer = tiny_target(model_type, seed=4).layers[0].linear_attn.inner
     x = mx.random.normal((1, 6, 32), key=mx.random.key(0))
@@ -243,7 +243,7 @@ def test_decoding_wires_memory_and_runs_on_the_generation_stream(monkeypatch, ca
     on mlx-lm's generation stream; alone and in a batch.  Metal's facts are mocked (none here)."""
     from mlx_lm.generate import generation_stream
 
-    from dflash_mlx.engine import Decoder
+    from dflash_mlx.decode.decoder import Decoder
 
     limits, streams, real_stream = [], [], mx.stream
     monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 1000})

@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx import fused_ops
-from dflash_mlx.fused_ops import (
+from dflash_mlx.kernels import fused_ops
+from dflash_mlx.kernels.fused_ops import (
     FusedAttention,
     FusedNorm,
     FusedRoPE,
@@ -17,7 +17,7 @@ from dflash_mlx.fused_ops import (
     scaled_dot_product_attention,
     unfused,
 )
-from dflash_mlx.target import BatchTargetCache
+from dflash_mlx.target.wrapper import BatchTargetCache
 from tiny_models import same_up_to_rounding, tiny_model, tiny_target
 
 pytestmark = pytest.mark.skipif(

@@ -263,9 +263,9 @@ def test_seeds_of_any_size_are_reproducible(tiny_pair):
 def test_seeded_sampling_ignores_timing_in_the_adaptive_mode(tiny_dirs, monkeypatch):
     """Same seed, default adaptive width, the cycle clock perturbed differently on each
     run (so the planner picks different widths): the same text."""
-    from dflash_mlx import engine
-    from dflash_mlx.costs import CostModel
-    from dflash_mlx.plan import Planner
+    from dflash_mlx.decode import decoder as engine
+    from dflash_mlx.decode.costs import CostModel
+    from dflash_mlx.decode.plan import Planner
 
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
@@ -310,13 +310,13 @@ def test_prompt_fuzz_never_crashes(tiny_pair):
 
 
 def test_corrupt_cost_cache_is_measured_again(tiny_dirs, tmp_path, monkeypatch, capsys):
-    from dflash_mlx.costs import cached_costs
+    from dflash_mlx.decode.costs import cached_costs
 
     calls = []
 
     def measure():
         calls.append(1)
-        from dflash_mlx.costs import CostModel
+        from dflash_mlx.decode.costs import CostModel
 
         return CostModel([1, 2], [0.01, 0.02], 0.001)
 

@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import load
-from dflash_mlx.engine import Decoder, StepFailed
-from dflash_mlx.prompt_cache import PromptCache
-from dflash_mlx.request import Request
-from dflash_mlx.suffix import SuffixStore
+from dflash_mlx.decode.decoder import Decoder, StepFailed
+from dflash_mlx.cache.prompt_cache import PromptCache
+from dflash_mlx.decode.request import Request
+from dflash_mlx.decode.suffix import SuffixStore
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 40, 3], [60, 61, 62], list(range(20, 50)), [33, 34, 35, 36, 8]]
 

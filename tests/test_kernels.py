@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from dflash_mlx import kernels
+from dflash_mlx.kernels import metal as kernels
 from msl_emulator import build, emulate, generated, run_emulated
 from test_engine import dflash_greedy, plain_greedy
 from tiny_models import oracle_draft, tiny_target

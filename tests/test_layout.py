@@ -1,7 +1,11 @@
 """The layout shows the architecture, and the arrows between its parts point one way.
 
-cli, serve  ->  api, registry  ->  the loop (engine, target, rollback, ...) + drafters  ->  io
+cli, serve  ->  api  ->  the loop  ->  io
+the loop, bottom up: kernels -> target, drafters -> cache -> decode (sampling.py: a leaf they share)
 train, bench, convert, distributed: tools beside the loop, which never imports them
+
+A part is a folder of the package (or one of the few modules at its root); the rules below
+name parts, never files, so a new file is judged by the folder it is put in.
 """
 
 import ast
@@ -11,26 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "dflash_mlx"
 
-LOOP = {
-    "engine",
-    "request",
-    "model",
-    "plan",
-    "costs",
-    "target",
-    "rollback",
-    "gated_delta",
-    "sampling",
-    "lookup",
-    "grammar",
-    "kernels",
-    "fused_ops",
-    "cpu_kernels",
-    "prompt_cache",
-    "drafters",
-}
+# the decode loop's parts, each importing only parts listed before it (and io)
+LOOP = ["sampling", "kernels", "target", "drafters", "cache", "decode"]
 TOOLS = {"train", "bench", "convert", "serve", "distributed"}
-ENTRY = {"api", "cli", "registry"}
+ENTRY = {"api", "cli"}
+ROOT_MODULES = {"__init__", "cli", "sampling"}
 
 
 def module_name(path: Path) -> str:
@@ -91,6 +80,19 @@ def test_the_loop_never_imports_tools_or_entry_points():
         if part(name) in LOOP:
             wrong = sorted(d for d in deps if part(d) in TOOLS | ENTRY)
             assert not wrong, f"{name} (the decode loop) imports {wrong}"
+
+
+def test_each_part_of_the_loop_imports_only_the_parts_below_it():
+    for name, deps in GRAPH.items():
+        if part(name) in LOOP:
+            below = set(LOOP[: LOOP.index(part(name))]) | {"io", part(name)}
+            wrong = sorted(d for d in deps if part(d) and part(d) not in below)
+            assert not wrong, f"{name} ({part(name)}) imports {wrong}, above it or beside it in the loop"
+
+
+def test_the_package_root_holds_folders_and_a_few_modules():
+    assert {p.stem for p in PACKAGE.glob("*.py")} == ROOT_MODULES
+    assert set(LOOP) | TOOLS | ENTRY | {"io"} >= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
 
 
 def test_io_imports_nothing_else_of_the_package():

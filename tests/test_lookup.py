@@ -3,11 +3,11 @@
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.costs import CostModel
-from dflash_mlx.plan import Planner
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
-from dflash_mlx.lookup import NO_MATCH, Match, PromptLookup
+from dflash_mlx.decode.costs import CostModel
+from dflash_mlx.decode.plan import Planner
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.lookup import NO_MATCH, Match, PromptLookup
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import Clock, Timed, random_draft, tiny_target
 

@@ -1,15 +1,21 @@
 """What dflash-mlx reads of mlx-lm beyond its public API, named one by one: an mlx-lm release
-that renames any of them fails here, not in a user's batch (pyproject pins mlx-lm < 0.33 until
-then)."""
+that renames any of them fails here, not in a user's batch.  All of it is read or written in
+target/mlx_lm_compat.py alone (checked below)."""
+
+import re
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import cache
 
+from dflash_mlx.target import mlx_lm_compat
+
 PRIVATE_FIELDS = {
     cache.BatchKVCache: ["_idx"],  # rollback.RaggedBatchKVCache (extend, filter), target.BatchTargetCache.width
     cache.BatchRotatingKVCache: ["_idx", "_offset"],  # rollback.BatchRotatingKV
 }
+PRIVATE_NAMES = re.compile(r"\._idx\b|\._offset\b|_get_classes|\.state\s*=\s*\(|= [a-z_.]*cache\.state$")
 BATCH_CALLS = ["merge", "extend", "extract", "filter", "prepare", "finalize", "trim"]
 
 
@@ -30,3 +36,29 @@ def test_batch_caches_keep_the_private_fields_rollback_reads(kind):
 
 def test_dynamic_roll_is_still_exported():
     assert callable(cache.dynamic_roll)
+
+
+def test_a_window_state_is_still_its_six_tuple():
+    window = cache.RotatingKVCache(max_size=8)
+    window.update_and_fetch(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+    keys, values, offset, keep, max_size, idx = mlx_lm_compat.rotating_state(window)
+    assert (keys.shape[2], offset, max_size, idx) == (3, 3, 8, 3)
+    mlx_lm_compat.set_rotating_state(window, keys[..., :2, :], values[..., :2, :], 2, keep, max_size, 2)
+    assert window.offset == 2 and mlx_lm_compat.rotating_state(window)[5] == 2
+
+
+def test_a_configs_model_classes_are_still_found():
+    model_class, args_class = mlx_lm_compat.model_classes({"model_type": "llama"})
+    assert model_class.__module__ == "mlx_lm.models.llama" and args_class.__name__ == "ModelArgs"
+
+
+def test_no_other_module_touches_mlx_lms_private_names():
+    package = Path(mlx_lm_compat.__file__).parent.parent
+    touching = [
+        f"{path.relative_to(package)}:{n}: {line.strip()}"
+        for path in package.rglob("*.py")
+        if path.name != "mlx_lm_compat.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if PRIVATE_NAMES.search(line)
+    ]
+    assert not touching, "read mlx-lm's private names through target/mlx_lm_compat.py:\n" + "\n".join(touching)

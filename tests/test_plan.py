@@ -9,12 +9,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.costs import CostModel, StepTimes, measure_costs, monotone
-from dflash_mlx.engine import Decoder, decode
-from dflash_mlx.lookup import NO_MATCH, Match
-from dflash_mlx.model import DecodeStats, DFlashModel
-from dflash_mlx.plan import PLAIN, AcceptanceEstimate, Plan, Planner
-from dflash_mlx.request import Request
+from dflash_mlx.decode.costs import CostModel, StepTimes, measure_costs, monotone
+from dflash_mlx.decode.decoder import Decoder, decode
+from dflash_mlx.decode.lookup import NO_MATCH, Match
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.plan import PLAIN, AcceptanceEstimate, Plan, Planner
+from dflash_mlx.decode.request import Request
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import Clock, Timed, oracle_draft, random_draft, tiny_target
 

@@ -12,13 +12,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import engine, load
+from dflash_mlx import load
+from dflash_mlx.decode import decoder as engine
 from dflash_mlx.api.loading import _fingerprint
-from dflash_mlx.engine import SHARED_MIN, Decoder, decode, shared_length
+from dflash_mlx.decode.decoder import Decoder, decode
+from dflash_mlx.decode.prefix import SHARED_MIN, shared_length
 from dflash_mlx.io.storage import CACHE_ENV
-from dflash_mlx.model import DecodeStats, DFlashModel
-from dflash_mlx.prompt_cache import PromptCache, default_bytes
-from dflash_mlx.request import Request
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.cache.prompt_cache import PromptCache, default_bytes
+from dflash_mlx.decode.request import Request
 from dflash_mlx.sampling import SamplingParams
 from tiny_models import random_draft, tiny_target
 

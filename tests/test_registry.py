@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash_mlx import registry
+from dflash_mlx.api import registry
 from dflash_mlx.io.storage import cache_dir
 
 

@@ -7,9 +7,9 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from dflash_mlx.costs import measure_costs
-from dflash_mlx.engine import tail_into_holes
-from dflash_mlx.rollback import BatchTrimmableKV, RaggedBatchKVCache, RotatingKV
+from dflash_mlx.decode.costs import measure_costs
+from dflash_mlx.decode.rows import tail_into_holes
+from dflash_mlx.target.rollback import BatchTrimmableKV, RaggedBatchKVCache, RotatingKV
 from tiny_models import random_draft, tiny_target
 
 H, D = 2, 4
@@ -131,7 +131,7 @@ def test_a_row_joins_into_the_row_one_left_without_copying_the_others(joining):
 
 
 def test_a_row_leaving_takes_the_last_row_into_its_place():
-    """The decoder moves the last rows into the places of those leaving (engine.tail_into_holes):
+    """The decoder moves the last rows into the places of those leaving (rows.tail_into_holes):
     the batch then copies those rows alone, in its own arrays, and every row sees its own tokens."""
     assert tail_into_holes(4, {0}) == [3, 1, 2] and tail_into_holes(4, {1, 3}) == [0, 2]
     assert tail_into_holes(5, {0, 1}) == [3, 4, 2] and tail_into_holes(3, {2}) == [0, 1]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx import sampling
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams, probabilities
 from tiny_models import random_dflash2, random_draft, tiny_target
 
@@ -115,7 +115,7 @@ def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
     def accept_everything(proposal, target_choice):
         return mx.array(proposal.size), target_choice[-1]
 
-    import dflash_mlx.engine as engine
+    import dflash_mlx.decode.decoder as engine
 
     monkeypatch.setattr(engine, "accept", accept_everything)
     counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0)

@@ -16,7 +16,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="the dev extra installs uvicorn"
 from dflash_mlx import generate, load  # noqa: E402
 from dflash_mlx.api import BatchGenerator, format_prompt  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
-from dflash_mlx.prompt_cache import machine_memory  # noqa: E402
+from dflash_mlx.cache.prompt_cache import machine_memory  # noqa: E402
 from tiny_models import Recording  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live servers

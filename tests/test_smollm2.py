@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 
 from dflash_mlx import format_prompt
 from dflash_mlx.cli import app
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.target import Target
+from dflash_mlx.target.wrapper import Target
 from tiny_models import oracle_draft, random_draft
 
 pytestmark = pytest.mark.slow  # the real default model
@@ -102,7 +102,7 @@ def test_cli_bad_input_is_one_clear_line(args, message):
 
 def test_shipped_drafter_loads_by_default_and_is_lossless(smollm2, target, prompts):
     from dflash_mlx import load
-    from dflash_mlx.registry import DEFAULT_DRAFT
+    from dflash_mlx.api.registry import DEFAULT_DRAFT
 
     assert (DEFAULT_DRAFT / "model.safetensors").stat().st_size < 25e6
     model, _ = load(adaptive=False)
@@ -117,7 +117,7 @@ def test_shipped_drafter_loads_by_default_and_is_lossless(smollm2, target, promp
 def test_cli_evaluates_a_drafter_on_held_out_data():
     from pathlib import Path
 
-    from dflash_mlx.registry import DEFAULT_DRAFT
+    from dflash_mlx.api.registry import DEFAULT_DRAFT
 
     data = Path(__file__).parent.parent / "data" / "smollm2-135m"
     result = runner.invoke(

@@ -6,13 +6,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.engine import Decoder
-from dflash_mlx.lookup import NO_MATCH
-from dflash_mlx.model import DFlashModel
-from dflash_mlx.plan import Planner
-from dflash_mlx.request import Request
-from dflash_mlx.lookup import match_bucket
-from dflash_mlx.suffix import SuffixStore
+from dflash_mlx.decode.decoder import Decoder
+from dflash_mlx.decode.lookup import NO_MATCH
+from dflash_mlx.decode.model import DFlashModel
+from dflash_mlx.decode.plan import Planner
+from dflash_mlx.decode.request import Request
+from dflash_mlx.decode.lookup import match_bucket
+from dflash_mlx.decode.suffix import SuffixStore
 from tiny_models import Clock, Timed, random_draft, tiny_target
 from test_plan import cpu_like
 

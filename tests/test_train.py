@@ -15,8 +15,8 @@ from mlx_lm.generate import generate_step
 from dflash_mlx.convert.models import convert_draft
 from dflash_mlx.train.data import Example, read_data, read_datasets
 from dflash_mlx.drafters import load_draft
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.train.corpus import Window
 from dflash_mlx.train.packing import PackedContext, pack, sample_blocks

@@ -193,8 +193,8 @@ def test_the_shipped_drafter_in_float_loads_in_zlab_code(smollm2_dir, tmp_path, 
     import mlx_lm
 
     from dflash_mlx.convert.models import convert_draft
-    from dflash_mlx.registry import DEFAULT_DRAFT
-    from dflash_mlx.target import Target
+    from dflash_mlx.api.registry import DEFAULT_DRAFT
+    from dflash_mlx.target.wrapper import Target
 
     folder = convert_draft(str(DEFAULT_DRAFT), tmp_path / "float", dtype="float32", show_progress=False)
     (folder / "draft_vocab.json").unlink(missing_ok=True)  # ours would draft over its restricted vocabulary

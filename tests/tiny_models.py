@@ -3,10 +3,10 @@
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from dflash_mlx.costs import CostModel
+from dflash_mlx.decode.costs import CostModel
 from dflash_mlx.drafters import DFlashDraftModel, DraftArgs
 from dflash_mlx.drafters.dflash import ContextRows
-from dflash_mlx.target import Target
+from dflash_mlx.target.wrapper import Target
 
 VOCAB = 97
 HIDDEN = 32

@@ -8,12 +8,12 @@ from typing import Iterator, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..engine import BatchStep, Decoder, StepFailed, decode_alone, warm_up
-from ..grammar import Grammar
+from ..decode.decoder import BatchStep, Decoder, StepFailed, decode_alone, warm_up
+from ..decode.grammar import Grammar
 from ..io.progress import add_task, progress
-from ..model import DFlashModel, Step
-from ..prompt_cache import PromptCache
-from ..request import Request
+from ..decode.model import DFlashModel, Step
+from ..cache.prompt_cache import PromptCache
+from ..decode.request import Request
 from ..sampling import SamplingParams, TokenLogprob, check_seed
 from .loading import context_limit
 

@@ -10,16 +10,16 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..costs import StepTimes, cached_costs, measure_costs, step_times_path
+from ..decode.costs import StepTimes, cached_costs, measure_costs, step_times_path
 from ..drafters import load_draft
-from ..fused_ops import fuse
+from ..kernels.fused_ops import fuse
 from ..io import blas
 from ..io.progress import console
 from ..io.storage import atomic_write, cache_dir, fetch
-from ..model import DFlashModel
-from ..plan import Planner
-from ..suffix import SuffixStore
-from ..target import Target
+from ..decode.model import DFlashModel
+from ..decode.plan import Planner
+from ..decode.suffix import SuffixStore
+from ..target.wrapper import Target
 
 
 def load(
@@ -45,9 +45,9 @@ def load(
     by `timeout` seconds): rank 0 gets the drafter and drives, the other ranks
     get a target whose `follow()` serves rank 0 until it calls `finish()`.
     """
-    from .. import registry  # pulls in the GGUF converter; not needed to decode
+    from .registry import resolve  # pulls in the GGUF converter; not needed to decode
 
-    resolved = registry.resolve(model, draft, quant)
+    resolved = resolve(model, draft, quant)
     target_path = fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
     group = _pipeline_group(distributed, timeout)
     mlx_model, tokenizer = _load_target(target_path, lazy=group is not None)
@@ -73,7 +73,8 @@ def load(
         # fp16 activations overflow in drafters (zero acceptance seen in other ports)
         dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
         # MLX's CPU backend multiplies quantized weights several times slower than fp32 with
-        # BLAS (bench/drafter_pass.py: 120 vs 10 ms per 16-token block), so there they are expanded
+        # BLAS (120 vs 10 ms per 16-token block of the shipped drafter: docs/design-decisions.md), so there
+        # they are expanded
         drafter = fuse(load_draft(draft_path, dtype=dtype, dequantize=mx.default_device() == mx.cpu).bind(target))
     planner = None
     if drafter is not None and adaptive:

@@ -20,9 +20,9 @@ from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from ..api import format_prompt, stream_generate
-from ..fused_ops import unfused
+from ..kernels.fused_ops import unfused
 from .prompt_sets import load_prompts
-from ..model import DFlashModel
+from ..decode.model import DFlashModel
 from ..io.progress import add_task, progress
 
 SAMPLED = {"temp": 0.7, "top_p": 0.95}

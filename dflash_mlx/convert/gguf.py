@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.utils import _get_classes, save_config, save_model
+from mlx_lm.utils import save_config, save_model
 
 from ..io.storage import staged
+from ..target.mlx_lm_compat import model_classes
 from ..io.progress import add_task, progress
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -279,7 +280,7 @@ def _build_model(config: dict, weights: dict):
     """Instantiate mlx-lm's class and load strictly: names and shapes are checked there."""
     import mlx.nn as nn
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     if quant := config.get("quantization"):
         nn.quantize(

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..target import StandIn, Target, TargetCache, model_parts
+from ..target.wrapper import StandIn, Target, TargetCache, model_parts
 from ..distributed import DistributedError
 
 DRIVER = 0

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..kernels import ContextSpan, block_attention
+from ..kernels.metal import ContextSpan, block_attention
 from .config import DraftArgs, DraftLoadError
 
 

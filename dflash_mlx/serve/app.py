@@ -1,41 +1,44 @@
 """The HTTP server (Starlette): one DFlash engine behind the OpenAI API (chat and
-text completions, Responses; openai_api.py) and the Anthropic Messages API
-(anthropic_api.py), plus models, health and Prometheus metrics.
+text completions: openai_api.py; Responses: responses_api.py) and the Anthropic
+Messages API (anthropic_api.py), plus models, health and Prometheus metrics.
 
 Every response says how it was decoded (tau, acceptance histogram, drafting and
 plain cycles), so a fallback to plain decoding is never silent.  Bad requests get
 a 4xx in the format of the API they called, and the server keeps serving.  Each
-request gets an access line (AccessLog), each 5xx is logged with its traceback, and
+request gets an access line (access_log.py), each 5xx is logged with its traceback, and
 a request whose client has gone stops generating, streamed or not.  Any
 model name is answered by the one model served (local clients often send a
 default such as gpt-3.5-turbo); responses name the model that answered.
 """
 
 import contextlib
-import contextvars
 import json
 import logging
 import numbers
 import queue
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Optional
 
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from ..prompt_cache import PromptCache, default_bytes, machine_memory
+from ..api import context_limit
+from ..cache.prompt_cache import PromptCache, default_bytes, machine_memory
+from .access_log import CLIENT_CLOSED, AccessLog, record_generation
 from .anthropic_api import AnthropicAPI
 from .guard import Guard
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
 from .protocol import RequestError, answer_message, generation_failure, next_turn_tokens, number
+from .responses_api import ResponsesAPI
 from .worker import DONE, Draining, Job, QueueFull, Worker
 
 MAX_BODY = 8 << 20
@@ -43,71 +46,65 @@ MAX_BATCH_TOKENS = 32768  # 8 rows of 4k tokens; a longer request runs alone
 ANSWER_FOLLOW_EVERY = 128  # answer tokens between looks at how its text so far reads back
 ANSWER_TAIL = 16  # an answer's last tokens (and the turn's closing ones) may read back otherwise once more follows
 EVENT_WAIT = 1.0  # seconds between looks at whether the engine thread is still there, while a job waits
-CLIENT_CLOSED = 499  # nginx's status for a request whose client went away before its answer
 
 log = logging.getLogger("dflash_mlx.serve")
-access_log = logging.getLogger("dflash_mlx.serve.access")
+
+
+@dataclass
+class ServerOptions:
+    """How a Server runs (make_app takes these as keywords; `dflash-mlx serve` sets them from its flags)."""
+
+    max_queue: int = 16  # requests that may wait for the engine; more get 429
+    prompt_cache_bytes: Optional[int] = None  # memory for reusable prefixes (None: sized for the machine; 0: off)
+    max_batch: int = 8  # requests decoded together, where the target can batch (Server.batch_refusal)
+    max_batch_tokens: Optional[int] = None  # tokens a batch's caches may hold (None: MAX_BATCH_TOKENS)
+    prompt_cache_dir: Optional[str] = None  # a folder keeping reusable prefixes across restarts
+    prompt_cache_disk_bytes: int = 8 << 30  # bytes that folder may hold
+    access: Optional[dict] = None  # who may call (guard.Guard: bind_host, allow_hosts, cors_origins, api_key)
+    next_turn_prefill: bool = False  # each chat's next turn prefilled while idle (Server.prefill_next_turn)
+    warm_up: bool = False  # a throw-away request first: the first real one pays no first-call set-up
 
 
 class Server:
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        model_id: str,
-        max_queue: int = 16,
-        context: Optional[int] = None,
-        prompt_cache_bytes: Optional[int] = None,
-        max_batch: int = 8,
-        max_batch_tokens: Optional[int] = None,
-        prompt_cache_dir: Optional[str] = None,
-        prompt_cache_disk_bytes: int = 8 << 30,
-        access: Optional[dict] = None,
-        next_turn_prefill: bool = False,
-        warm_up: bool = False,
-    ):
-        """`access`: Guard's options (bind_host, allow_hosts, cors_origins, api_key);
-        `next_turn_prefill`: see prefill_next_turn; `warm_up`: a throw-away request through the
-        model before the first job (Worker)."""
+    """One model served over HTTP (`app`, an ASGI app).  The API classes read requests and shape
+    answers in their formats; the server holds what they share: the engine thread (`worker`),
+    the prompt cache, the metrics, and a request's way from its body to its events."""
+
+    def __init__(self, model, tokenizer, model_id: str, options: ServerOptions):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
-        self.prompt_cache = None
-        if prompt_cache_bytes is None:  # sized for the machine and the model
-            prompt_cache_bytes = default_bytes(model.weight_bytes, machine_memory())
-        if prompt_cache_bytes > 0:
-            self.prompt_cache = PromptCache(
-                prompt_cache_bytes,
-                prompt_cache_dir and Path(prompt_cache_dir),
-                prompt_cache_disk_bytes,
-                fingerprint=f"{model_id}:{model.fingerprint}",
-            )
-        self.next_turn_prefill = next_turn_prefill and self.prompt_cache is not None  # nowhere to keep it else
+        self.context = context_limit(model.target)
+        self.prompt_cache = prompt_cache_for(model, model_id, options)
+        self.next_turn_prefill = options.next_turn_prefill and self.prompt_cache is not None  # nowhere to keep it else
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
-        self.batch_refusal = batch_refusal(model) if max_batch > 1 else None  # why one at a time, if so
-        self.max_batch = 1 if self.batch_refusal else max_batch
-        self.max_batch_tokens = max_batch_tokens or MAX_BATCH_TOKENS
+        self.batch_refusal = batch_refusal(model) if options.max_batch > 1 else None  # why one at a time, if so
+        self.max_batch = 1 if self.batch_refusal else options.max_batch
+        self.max_batch_tokens = options.max_batch_tokens or MAX_BATCH_TOKENS
         self.worker = Worker(
             model,
             tokenizer,
-            max_queue,
-            self.metrics.finished,
-            self.max_batch,
-            self.prompt_cache,
-            self.metrics.batch_step,
-            self.max_batch_tokens,
-            warm_up,
+            options.max_queue,
+            max_batch=self.max_batch,
+            max_batch_tokens=self.max_batch_tokens,
+            prompt_cache=self.prompt_cache,
+            warm_up=options.warm_up,
+            on_step=self.metrics.batch_step,
+            on_finish=self.metrics.finished,
         )
-        self.context = context
         self.draining = False  # stopping: new requests get 503
-        self.openai, self.anthropic = OpenAIAPI(self), AnthropicAPI(self)
-        access = access or {}
-        origins = list(access.get("cors_origins", ()))  # their browsers' preflights answered
+        self.openai, self.responses, self.anthropic = OpenAIAPI(self), ResponsesAPI(self), AnthropicAPI(self)
+        access = options.access or {}
+        self.app = AccessLog(Guard(self._routes(access.get("cors_origins", ())), self._refused_early, **access))
+
+    def _routes(self, cors_origins) -> Starlette:
+        """The endpoints; `cors_origins`: the origins whose browsers' preflights are answered."""
+        origins = list(cors_origins)
         cors = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])]
-        routes = Starlette(
+        return Starlette(
             middleware=cors if origins else [],
             routes=[
                 Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
                 Route("/v1/completions", self.openai.completions, methods=["POST"]),
-                Route("/v1/responses", self.openai.responses, methods=["POST"]),
+                Route("/v1/responses", self.responses.create, methods=["POST"]),
                 Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
                 Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
@@ -117,7 +114,6 @@ class Server:
             exception_handlers={HTTPException: self._http_error},
             lifespan=self._lifespan,
         )
-        self.app = AccessLog(Guard(routes, self._refused_early, **access))
 
     def drain(self, seconds: float) -> None:
         """Stop gracefully: new requests get 503, running ones finish for up to `seconds` and are
@@ -296,9 +292,8 @@ class Server:
                 event = await self.next_event(job)
         finally:
             job.cancelled.set()
-            access = _ACCESS.get(None)
-            if access is not None and last is not None:
-                access.generated(last)
+            if last is not None:
+                record_generation(last)
 
     def prefill_next_turn(self, conversation: list[dict], tools: list, tail: int = 0) -> None:
         """A chat answered (`conversation`: its messages, then the answer as the client sends it
@@ -336,114 +331,26 @@ class Server:
         return failure
 
 
-class _Access:
-    """What a request's access line says; the generations answering it add their tokens."""
-
-    def __init__(self, scope: dict):
-        client = scope.get("client")
-        query = scope.get("query_string") or b""
-        path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
-        self.client = f"{client[0]}:{client[1]}" if client else "-"
-        self.request = f"{scope['method']} {path} HTTP/{scope.get('http_version', '1.1')}"
-        self.started = time.monotonic()
-        self.status: Optional[int] = None
-        self.complete = self.client_gone = False
-        self.tokens: Optional[tuple[int, int, int]] = None  # prompt, cached, generated
-
-    def generated(self, last) -> None:
-        """A generation (one of n choices) ended; `last`: its final response, or the last one out."""
-        generated = last.generation_tokens + (self.tokens[2] if self.tokens else 0)
-        self.tokens = (last.prompt_tokens, last.cached_tokens, generated)
-
-    def line(self) -> str:
-        status = CLIENT_CLOSED if self.client_gone else self.status or 500
-        tokens = "" if self.tokens is None else " prompt=%d cached=%d generated=%d" % self.tokens
-        return f'{self.client} - "{self.request}" {status}{tokens} {time.monotonic() - self.started:.3f}s'
+def make_app(model, tokenizer, model_id: str, **options) -> Server:
+    """The server; `options`: ServerOptions' fields, as keywords.  With max_batch > 1, requests
+    are decoded in batches when the target allows (else `Server.batch_refusal` says why not; the
+    caller tells the user)."""
+    return Server(model, tokenizer, model_id, ServerOptions(**options))
 
 
-# the access line of the request being answered, for Server.events (the stream of a StreamingResponse
-# runs in a task of its own, which starts with a copy of its request's context: the same line)
-_ACCESS: contextvars.ContextVar[_Access] = contextvars.ContextVar("dflash_mlx_access")
-
-
-class AccessLog:
-    """ASGI middleware: one line per HTTP request on the dflash_mlx.serve.access logger once its
-    response is out (a stream's when it ends), uvicorn-style, with the tokens of the generations
-    that answered it and the seconds it took; a client gone before the end is logged 499.  An
-    exception that escaped the routes (Starlette has sent its 500) is logged here with its traceback."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        access = _Access(scope)
-        token = _ACCESS.set(access)
-
-        async def receiving():
-            message = await receive()
-            if message["type"] == "http.disconnect" and not access.complete:
-                access.client_gone = True
-            return message
-
-        async def sending(message):
-            if message["type"] == "http.response.start":
-                access.status = message["status"]
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                access.complete = True
-            await send(message)
-
-        try:
-            await self.app(scope, receiving, sending)
-        except ClientDisconnect:  # gone while its body was read
-            access.client_gone = True
-        except Exception:
-            log.exception("unhandled error answering %s", access.request)  # uvicorn would log it again
-            if access.status is None:
-                await PlainTextResponse("Internal Server Error", 500)(scope, receiving, sending)
-        finally:
-            _ACCESS.reset(token)
-            access_log.info(access.line())
-
-
-def make_app(
-    model,
-    tokenizer,
-    model_id: str,
-    max_queue: int = 16,
-    prompt_cache_bytes: Optional[int] = None,
-    max_batch: int = 8,
-    max_batch_tokens: Optional[int] = None,
-    prompt_cache_dir: Optional[str] = None,
-    prompt_cache_disk_bytes: int = 8 << 30,
-    access: Optional[dict] = None,
-    next_turn_prefill: bool = False,
-    warm_up: bool = False,
-) -> Server:
-    """The server; with max_batch > 1, requests are decoded in batches when the target allows
-    (else `Server.batch_refusal` says why not; the caller tells the user).  With
-    `prompt_cache_dir`, reusable prefixes are kept in that folder across restarts; `access` says
-    who may call it (guard.Guard: bind_host, allow_hosts, cors_origins, api_key); with
-    `next_turn_prefill`, each chat's next turn is prefilled while the server is idle
-    (Server.prefill_next_turn); with `warm_up`, a throw-away request runs through the model
-    before the first one (a fresh server's first request then pays no first-call set-up)."""
-    from ..api import context_limit
-
-    return Server(
-        model,
-        tokenizer,
-        model_id,
-        max_queue,
-        context_limit(model.target),
-        prompt_cache_bytes,
-        max_batch,
-        max_batch_tokens,
-        prompt_cache_dir,
-        prompt_cache_disk_bytes,
-        access,
-        next_turn_prefill,
-        warm_up,
+def prompt_cache_for(model, model_id: str, options: ServerOptions) -> Optional[PromptCache]:
+    """The prompt cache the options ask for (None: off), sized for the machine and the model
+    unless they say how large."""
+    size = options.prompt_cache_bytes
+    if size is None:
+        size = default_bytes(model.weight_bytes, machine_memory())
+    if size <= 0:
+        return None
+    return PromptCache(
+        size,
+        options.prompt_cache_dir and Path(options.prompt_cache_dir),
+        options.prompt_cache_disk_bytes,
+        fingerprint=f"{model_id}:{model.fingerprint}",
     )
 
 
@@ -510,4 +417,4 @@ def serve_in_background(server: Server, host: str = "127.0.0.1"):
     return http, port
 
 
-__all__: list[Any] = ["Server", "configure_logging", "make_app", "run", "serve_in_background"]
+__all__: list[Any] = ["Server", "ServerOptions", "configure_logging", "make_app", "run", "serve_in_background"]

@@ -5,7 +5,7 @@ into the target's prompt tokens.
 Conversations are normalised to OpenAI chat messages, the shape chat templates
 know: {"role": "system" | "user" | "assistant" | "tool", "content": str,
 "tool_calls": [...], "tool_call_id": str}.  Each API translates its own format
-into that (openai_api.py, anthropic_api.py) and back.
+into that (openai_api.py, responses_api.py, anthropic_api.py) and back.
 """
 
 import json

@@ -121,7 +121,7 @@ def _check_answered(waiting: list, asked_at) -> None:
 
 def check_function_call_outputs(items: list[dict]) -> None:
     """Responses API input: each function_call_output answers a function_call before it, and each
-    function_call is answered.  `items`: checked by openai_api.input_messages already (objects)."""
+    function_call is answered.  `items`: checked by responses_api.input_messages already (objects)."""
     calls, outputs = [], []
     for item in items:
         if item.get("type") == "function_call":

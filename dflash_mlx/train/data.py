@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..api import format_prompt
 from ..io.progress import add_task, progress
-from ..target import Target
+from ..target.wrapper import Target
 
 
 @dataclass

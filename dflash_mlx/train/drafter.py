@@ -8,7 +8,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..drafters import DFlashDraftModel, DraftArgs
-from ..target import Target
+from ..target.wrapper import Target
 from .config import TrainConfig, stratified_layer_ids
 
 

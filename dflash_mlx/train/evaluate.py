@@ -5,10 +5,10 @@ from typing import Optional
 import mlx.core as mx
 
 from ..drafters import DFlashDraftModel
-from ..engine import decode
-from ..model import DecodeStats, DFlashModel
+from ..decode.decoder import decode
+from ..decode.model import DecodeStats, DFlashModel
 from ..sampling import SamplingParams
-from ..target import Target
+from ..target.wrapper import Target
 from .data import Example
 from .config import TrainConfig
 

@@ -43,7 +43,7 @@ from mlx.utils import tree_unflatten
 from ..bench.plots import MissingMatplotlib, training_curve
 from ..drafters import DFlashDraftModel, load_draft
 from ..io.progress import add_task, progress
-from ..target import Target
+from ..target.wrapper import Target
 from .corpus import Window
 from .data import Example
 from .checkpoint import TrainState, export, save_checkpoint

@@ -5,7 +5,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..target import Target
+from ..target.wrapper import Target
 
 
 def target_pass(

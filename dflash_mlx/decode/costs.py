@@ -1,0 +1,377 @@
+"""What a decode step costs on this machine: the measured cost curve of the target and the
+drafter (`CostModel`, measured once per model and machine, then cached) and the one
+correction of it by what steps really took (`StepTimes`).
+
+Verifying L tokens is not free when compute is the limit (on a CPU, or a big model on a
+small Mac): a 16-token target pass can cost several 1-token passes.  The curve times one
+row at a short context in isolation; a real step attends over longer contexts, may verify
+several rows, syncs, rolls back and breaks the plain-step pipeline, so every step's wall
+time teaches the ratio of its shape (rows, width) to the curve.
+"""
+
+import json
+import math
+import platform
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median, median_low
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from ..io.progress import console
+from ..io.storage import atomic_write
+from ..sampling import Noise, SamplingParams, choose
+
+PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+SAMPLE_ROWS = 8
+SAMPLING_PROBES = (SamplingParams(temp=1.0), SamplingParams(temp=1.0, top_p=0.9))  # unfiltered, filtered
+
+
+@dataclass
+class CostModel:
+    """Seconds for one target pass over L tokens (interpolated), for one drafter pass
+    over a block of L (draft_seconds + draft_per_token * (L - 1): its lm_head runs per
+    token), and for one position's sampling distribution (temperature only, or
+    filtered by top-p / top-k)."""
+
+    widths: list[int]
+    seconds: list[float]
+    draft_seconds: float
+    draft_per_token: float = 0.0
+    sample_row: float = 0.0
+    filtered_row: float = 0.0
+
+    @classmethod
+    def from_dict(cls, stored: dict) -> "CostModel":
+        """A stored cost model, checked (a cache file may be truncated or foreign)."""
+        cost = cls(**stored)
+        numbers = [cost.draft_seconds, cost.draft_per_token, cost.sample_row, cost.filtered_row, *cost.seconds]
+        if not (
+            isinstance(cost.widths, list)
+            and cost.widths
+            and len(cost.widths) == len(cost.seconds)
+            and all(isinstance(w, int) and w > 0 for w in cost.widths)
+            and all(isinstance(x, (int, float)) and 0 <= x < 1e4 for x in numbers)
+        ):
+            raise ValueError("not a cost model")
+        return cost
+
+    def verify(self, L: int) -> float:
+        for (w0, s0), (w1, s1) in zip(zip(self.widths, self.seconds), zip(self.widths[1:], self.seconds[1:])):
+            if w0 <= L <= w1:
+                return s0 + (s1 - s0) * (L - w0) / (w1 - w0)
+        if L <= self.widths[0]:
+            return self.seconds[0]
+        w0, w1, s0, s1 = self.widths[-2], self.widths[-1], self.seconds[-2], self.seconds[-1]
+        return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
+
+    def describe(self) -> str:
+        shown = [w for w in self.widths if w & (w - 1) == 0]  # powers of two
+        return (
+            f"verify {'/'.join(map(str, shown))} tokens = "
+            f"{'/'.join(f'{1e3 * self.verify(w):.0f}' for w in shown)} ms; "
+            f"drafter {1e3 * self.draft_seconds:.1f} ms + {1e3 * self.draft_per_token:.2f} ms/token; "
+            f"sampling {1e3 * self.sample_row:.1f} ms/position ({1e3 * self.filtered_row:.1f} with top-p/top-k)"
+        )
+
+    def row(self, params: Optional[SamplingParams]) -> float:
+        if params is None or params.greedy:
+            return 0.0
+        return self.filtered_row if params.top_p < 1.0 or params.top_k > 0 else self.sample_row
+
+    def cycle(self, L: int, params: Optional[SamplingParams] = None, drafted: bool = True) -> float:
+        """One cycle of width L: verify, and what comes with it (`beside_verify`)."""
+        return self.verify(L) + self.beside_verify(L, params, drafted)
+
+    def beside_verify(self, L: int, params: Optional[SamplingParams] = None, drafted: bool = True) -> float:
+        """What a cycle of width L costs besides the target pass: a distribution per verified
+        position and, when the drafter proposed (`drafted`), its pass and a distribution per
+        drafted position."""
+        return (self.drafter_pass(L) if drafted and L > 1 else 0.0) + self.sampling(L, params, drafted)
+
+    def drafter_pass(self, L: int, rows: int = 1) -> float:
+        """One drafter pass over `rows` blocks of L at once: its weights are read once for all
+        rows, its lm_head runs per drafted position."""
+        return self.draft_seconds + self.draft_per_token * (L - 1) * rows
+
+    def sampling(self, L: int, params: Optional[SamplingParams] = None, drafted: bool = True) -> float:
+        """The distributions of a cycle of width L: one per verified position, and one per
+        drafted position when the drafter proposed."""
+        return (2 * L - 1 if drafted and L > 1 else L) * self.row(params)
+
+
+SHORTEST_SPAN = 512
+
+
+def context_class(tokens: int) -> int:
+    """The class of a step's context (its longest row's tokens): the power of two at or above it, 512 at least."""
+    return max(SHORTEST_SPAN, 1 << (max(tokens, 1) - 1).bit_length())
+
+
+class StepTimes:
+    """How much longer a batch step really takes than the cost curve says, per shape (rows, width)
+    and class of context (context_class: attention over a long context costs what the curve, timed
+    at a short one, does not see; traced: ratios learnt over 2k-token agent sessions kept widths
+    4-14 judged 1.4-2x dear on 300-token prompts, whose copies then decoded plainly).
+
+    The curve times one row at a short context and is extrapolated past its widest probe; a
+    batch step attends over B contexts of any length and verifies B x w tokens (measured here:
+    8 rows x 9 tokens took 2.5x the extrapolated curve, 8 rows x 1 token 1.3x).  Each step's wall
+    time teaches the ratio of its shape: the lower median of its last `window` steps (timing
+    noise is one-sided: a stall, a collection or another process only ever adds time).  A verify
+    shape not run yet takes the ratio of a run one of as many tokens (rows x width), else is
+    interpolated in log tokens between the run shapes around it, else takes the nearest one's.
+    A plain step (width 1) is judged only by plain steps run, and one of a batch size not run
+    yet by the cheapest of them (the curve, ratio 1, until one has): the plain step is the floor
+    the batch falls back to, and judged dear before it ran it would never run and never be
+    corrected (traced: 8 rows x 1 token never tried, 8 x 2 run instead at 0.7x its tokens/s).
+
+    Shapes are judged only by shapes of their context class; a class not run yet, by the curve.
+    A shape not run for `forget_after` steps is forgotten (judged by the shapes around it again).
+
+    With a `store` (a file beside the machine's cost curve), what the steps taught is kept every
+    `save_every` steps and read back by the next process, so a fresh server does not pay again
+    to learn which shapes are dear; it holds for the curve it was learnt against (`basis`).  A
+    shape read back is forgotten after the process's first `trust_stored_for` steps unless it
+    runs again by then: what was learnt on a busy machine (another job on the cores) would
+    otherwise keep the wide verifies it made dear off for the next process's first
+    `forget_after` steps (traced: copies verified 2 tokens at a time for a whole prompt)."""
+
+    def __init__(
+        self,
+        window: int = 7,
+        store: Optional[Path] = None,
+        basis: Sequence[float] = (),
+        save_every: int = 50,
+        forget_after: int = 500,
+        trust_stored_for: int = 64,
+    ):
+        self.window, self.forget_after, self.trust_stored_for = window, forget_after, trust_stored_for
+        self.seen: dict[tuple[int, int, int], deque] = {}  # (rows, width, span) -> its last `window` ratios
+        self.ratios: dict[tuple[int, int, int], float] = {}
+        self.seen_at: dict[tuple[int, int, int], int] = {}  # (rows, width, span) -> the step it last ran at
+        self.steps = 0
+        self.store, self.basis, self.save_every = store, list(basis), save_every
+        self._unsaved = 0
+
+    @classmethod
+    def stored(cls, store: Path, basis: Sequence[float], window: int = 7) -> "StepTimes":
+        """The step times kept in `store` for the curve `basis` (none yet, or for another curve:
+        fresh ones, kept there from now on)."""
+        times = cls(window, store, basis)
+        if not store.is_file():
+            return times
+        try:
+            kept = json.loads(store.read_text())
+            if kept["basis"] != times.basis:
+                return times  # learnt against a curve measured since replaced
+            for rows, width, span, ratios in kept["shapes"]:
+                if not (
+                    all(isinstance(n, int) and n > 0 for n in (rows, width, span))
+                    and ratios
+                    and all(isinstance(r, (int, float)) and 0 < r < 1e4 for r in ratios)
+                ):
+                    raise ValueError("not a step time")
+                times.seen[rows, width, span] = deque(ratios[-window:], maxlen=window)
+                times.ratios[rows, width, span] = times._typical(times.seen[rows, width, span], width)
+                times.seen_at[rows, width, span] = times.trust_stored_for - times.forget_after
+        except (ValueError, TypeError, KeyError, OSError) as e:  # truncated, foreign or from another version
+            console.print(
+                f"note: the step times in {store} are unreadable ({type(e).__name__}); learning them again",
+                style="yellow",
+            )
+            times.seen, times.ratios, times.seen_at = {}, {}, {}
+        return times
+
+    @staticmethod
+    def _typical(seen, width: int) -> float:
+        """The lower median of a shape's ratios (stalls only add time).  For plain steps, of the
+        means of consecutive pairs: a pipelined plain step's pass runs beside the step before,
+        and which of the two the wait lands in varies (traced: 2.0 and 0.14 in turn), so one
+        step says little and two say what a step costs."""
+        seen = list(seen)
+        if width == 1 and len(seen) >= 3:
+            seen = [(a + b) / 2 for a, b in zip(seen, seen[1:])]
+        return median_low(seen)
+
+    def ratio(self, rows: int, width: int, span: int = SHORTEST_SPAN) -> float:
+        ratios = {(r, w): ratio for (r, w, s), ratio in self.ratios.items() if s == span}
+        if (rows, width) in ratios:
+            return ratios[rows, width]
+        if width == 1:
+            return min((ratio for (_, w), ratio in ratios.items() if w == 1), default=1.0)
+        tokens = rows * width
+        run = [(r * w, -abs(r - rows), ratios[r, w]) for r, w in ratios]
+        if not run:
+            return 1.0
+        same = [shape for shape in run if shape[0] == tokens]
+        if same:
+            return max(same)[2]  # the one closest in rows
+        below = max((shape for shape in run if shape[0] < tokens), default=None)
+        above = min(
+            (shape for shape in run if shape[0] > tokens), key=lambda shape: (shape[0], -shape[1]), default=None
+        )
+        if below is None or above is None:
+            return (below or above)[2]
+        t = math.log(tokens / below[0]) / math.log(above[0] / below[0])
+        return below[2] + t * (above[2] - below[2])
+
+    def seconds(self, rows: int, width: int, modelled: float, span: int = SHORTEST_SPAN) -> float:
+        return modelled * self.ratio(rows, width, span)
+
+    def observe(self, rows: int, width: int, modelled: float, seconds: float, span: int = SHORTEST_SPAN) -> None:
+        shape = (rows, width, span)
+        seen = self.seen.setdefault(shape, deque(maxlen=self.window))
+        seen.append(max(seconds / modelled, 0.05))  # an injected clock may see a step as free
+        self.ratios[shape] = self._typical(seen, width)
+        self.steps += 1
+        self.seen_at[shape] = self.steps
+        # a shape judged dear is not run again, so never corrected: after a while it is forgotten,
+        # and judged by the shapes around it again (traced: ratios learnt on a bad day kept every
+        # verify wider than 2 off for good)
+        for shape in [s for s in self.seen if self.steps - self.seen_at.get(s, 0) > self.forget_after]:
+            del self.seen[shape], self.ratios[shape]
+            self.seen_at.pop(shape, None)
+        self._unsaved += 1
+        if self.store is not None and self._unsaved >= self.save_every:
+            self.save()
+
+    def flush(self) -> None:
+        """Keep what was learnt since the last save (a batch that just emptied calls it)."""
+        if self.store is not None and self._unsaved:
+            self.save()
+
+    def save(self) -> None:
+        self._unsaved = 0
+        shapes = [[*shape, list(seen)] for shape, seen in sorted(self.seen.items())]
+        try:
+            atomic_write(self.store, json.dumps({"basis": self.basis, "shapes": shapes}))
+        except OSError as e:
+            console.print(
+                f"note: could not keep the step times in {self.store} ({e.strerror}); a new process learns them again",
+                style="yellow",
+            )
+            self.store = None
+
+
+# ---------------------------------------------------------------- measuring the cost curve
+
+
+def machine_key() -> str:
+    return (
+        f"{platform.system()}-{platform.machine()}-{platform.processor() or 'cpu'}-metal{int(mx.metal.is_available())}"
+    )
+
+
+def measure_costs(
+    target, draft, context: int = 128, widths: Sequence[int] = PROBE_WIDTHS, repeats: int = 5
+) -> CostModel:
+    """Time target passes of width L on top of a `context`-token cache, and one drafter pass.
+
+    Widths are timed round-robin, so a burst of other load hits them all alike,
+    and the medians are fitted to a non-decreasing curve (a wider pass is never cheaper)."""
+    widths = [w for w in widths if w <= max(draft.block_size, 2)] if draft is not None else [1]
+    tokens = mx.arange(context, dtype=mx.int32)[None] % target.vocab_size
+    layers = draft.target_layer_ids if draft is not None else []
+    cache = target.make_cache()
+    _, features = target(tokens, cache, layers, logits_at=[context - 1])
+    mx.eval(features)
+    dcache = None
+    draft_widths = sorted({2, draft.block_size}) if draft is not None else []
+    if draft is not None:
+        dcache = draft.make_cache()
+        draft.add_context(features, dcache)
+
+    def verify_seconds(w: int) -> float:
+        cache.checkpoint()
+        tic = time.perf_counter()
+        mx.eval(target(mx.zeros((1, w), dtype=mx.int32), cache, layers))
+        cache.rollback(0)
+        return time.perf_counter() - tic
+
+    def draft_seconds(w: int) -> float:
+        tic = time.perf_counter()
+        mx.eval(draft(mx.full((1, w), draft.mask_token_id, dtype=mx.int32), dcache))
+        return time.perf_counter() - tic
+
+    rows = mx.random.normal((SAMPLE_ROWS, target.vocab_size))
+    # Each position's noise is drawn once whatever the widths (sampling.Noise keeps it), so a
+    # row of a verify costs its choice alone.
+    noise = Noise(0, target.vocab_size).at(0, SAMPLE_ROWS)
+    mx.eval(rows, noise)
+
+    def row_seconds(params: SamplingParams) -> float:
+        tic = time.perf_counter()
+        mx.eval(choose(rows, params, noise))
+        return (time.perf_counter() - tic) / SAMPLE_ROWS
+
+    times = {w: [] for w in widths}
+    drafts = {w: [] for w in draft_widths}
+    sampling = {p: [] for p in SAMPLING_PROBES}
+    for attempt in range(repeats + 1):  # the first round warms up
+        for w in widths:
+            seconds = verify_seconds(w)
+            if attempt:
+                times[w].append(seconds)
+        for w in draft_widths:
+            seconds = draft_seconds(w)
+            if attempt:
+                drafts[w].append(seconds)
+        for p in SAMPLING_PROBES:
+            seconds = row_seconds(p)
+            if attempt:
+                sampling[p].append(seconds)
+    verify = monotone([median(times[w]) for w in widths])
+    sample_row, filtered_row = (median(sampling[p]) for p in SAMPLING_PROBES)
+    if not drafts:
+        return CostModel(list(widths), verify, 0.0, 0.0, sample_row, filtered_row)
+    short, full = median(drafts[draft_widths[0]]), median(drafts[draft_widths[-1]])
+    per_token = max(0.0, (full - short) / max(1, draft_widths[-1] - 2))
+    return CostModel(list(widths), verify, short - per_token, per_token, sample_row, filtered_row)
+
+
+def monotone(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(n)]
+
+
+def costs_path(key: str, cache_root: Path) -> Path:
+    """Where the cost model of (`key`, this machine) is stored."""
+    name = f"{key}-{machine_key()}-v9".replace("/", "_").replace(" ", "_")  # v9: the C++ row softmax on a CPU
+    return cache_root / "costs" / f"{name}.json"
+
+
+def step_times_path(key: str, cache_root: Path) -> Path:
+    """Where the batch step times learnt against that cost model are kept (StepTimes.stored)."""
+    path = costs_path(key, cache_root)
+    return path.with_name(f"{path.stem}-steps2.json")  # 2: per context class
+
+
+def cached_costs(key: str, measure, cache_root: Path) -> CostModel:
+    """The cost model stored for (`key`, this machine), measured and stored on first use."""
+    path = costs_path(key, cache_root)
+    if path.is_file():
+        try:
+            return CostModel.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, OSError) as e:  # truncated, foreign or from another version
+            console.print(
+                f"note: the cost cache {path} is unreadable ({type(e).__name__}); measuring again", style="yellow"
+            )
+    cost = measure()
+    try:
+        atomic_write(path, json.dumps(cost.__dict__))
+    except OSError as e:
+        console.print(
+            f"note: could not store the measured costs in {path} ({e.strerror}); they will be measured again next time",
+            style="yellow",
+        )
+    return cost

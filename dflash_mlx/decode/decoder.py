@@ -1,0 +1,447 @@
+"""The DFlash decode loop: one step for one request or many.
+
+    join     waiting prompts are prefilled together, a chunk each per target pass, a few
+             passes a step (from the longest prefix the prompt cache holds; one that begins
+             as a prompt being prefilled waits to restore what they share); the pass that
+             ends a prompt chooses its first token, and the row joins the decoding rows
+    plan     each row's proposal and the step's verify width (plan.py)
+    propose  per row: the drafter ([last token, MASK x (w-1)], one pass for the rows drafting
+             at one width), tokens copied by the prompt lookup or from earlier answers, or
+             nothing (plain decoding)
+    verify   one target pass over every row's [last token] + proposal: logits + features
+    accept   each row keeps its longest agreeing prefix + one token of the target's own
+    roll back each row's target caches to the tokens it kept; their features go to the
+             drafter's context (injected when it next drafts)
+
+One request alone is a batch of one (`decode`), on the target's own caches; several share
+mlx-lm's batch caches (rollback.py rolls each row back to its own prefix).  When a step is
+plain for every row and so is the next, the next pass is queued before this one's tokens
+are read (as mlx-lm's generate_step does), so its graph is built while this one computes.
+
+Every row's output is what it gets alone: greedy chooses the same tokens, sampling draws
+the same noise per (seed, position) (sampling.py), whatever the widths and the batch.
+"""
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream, wired_limit
+
+from ..kernels.fused_ops import fusing
+from .grammar import Grammar, masked
+from .model import DecodeStats, DFlashModel, Step
+from .plan import PLAIN, Plan, fixed_plan
+from ..cache.prompt_cache import PromptCache
+from .prefix import PrefixPolicy
+from .rows import joined, settled, tree_arrays, without
+from .verify import Pass, verify_pass, verify_passes
+from .request import Request
+from ..sampling import SamplingParams, choose
+
+PREFILL_STEP = 512  # prompt tokens a step prefills (the decoding rows wait for them once a step)
+# On a CPU a pass's attention computes every score of its queries against its own keys, the
+# masked half too: passes of 256 and 512 time alike there, 128 ~5% dearer (docs/serving.md)
+CPU_PREFILL_PASS = 256
+
+
+@dataclass
+class BatchStep:
+    """What one step did: the batch size and verify width (the widest of its passes), each row's
+    committed tokens, its target passes (two when its rows verified apart), and the rows that
+    failed on their own (their tokens refused: dropped, the others decoded on)."""
+
+    size: int
+    width: int
+    steps: dict  # uid -> Step
+    passes: int = 0
+    failed: dict = field(default_factory=dict)  # uid -> Exception
+
+
+class StepFailed(Exception):
+    """A step raised: every request it was decoding or prefilling (`uids`) was dropped, nothing
+    of them kept (their caches may hold tokens fed and never rolled back); the requests still
+    waiting, and the decoder, go on."""
+
+    def __init__(self, error: Exception, uids: set[int]):
+        super().__init__(str(error))
+        self.error, self.uids = error, uids
+
+
+def prefill_pass() -> int:
+    """Prompt tokens a prefill pass takes (all filling rows together)."""
+    return min(CPU_PREFILL_PASS, PREFILL_STEP) if fusing() else PREFILL_STEP
+
+
+class Decoder:
+    """Up to `max_batch` requests decoded together, one `step()` at a time.  With `max_batch`
+    1 a request decodes on the target's own caches (any target, the pipeline-parallel one
+    included); above, on mlx-lm's batch caches.  With `max_batch_tokens`, a request joins only
+    while the batch's caches stay within that many tokens (rows x the longest row, padding
+    included, at its longest: batch caches hold every row at the longest one's length); a
+    request too long for the bound runs alone once the batch is empty.
+
+    As mlx-lm's generation does, it computes on mlx-lm's generation stream and, from its
+    creation to `close()`, with the GPU's wired memory limit at its recommended size (the
+    weights stay resident between steps; a warning when they do not fit)."""
+
+    def __init__(
+        self,
+        model: DFlashModel,
+        prompt_cache: Optional[PromptCache] = None,
+        max_batch: int = 8,
+        max_batch_tokens: Optional[int] = None,
+        clock: Optional[Callable[[], float]] = None,
+    ):
+        self.model, self.clock = model, clock or time.perf_counter
+        self.prefix = PrefixPolicy(model, prompt_cache)
+        self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
+        self.rows: list[Request] = []  # decoding, in the cache's row order
+        self.cache = None  # TargetCache (max_batch 1) or BatchTargetCache
+        self.filling: list[Request] = []  # prefilling together, in the fill cache's row order
+        self.fill_cache = None
+        self.waiting: list[Request] = []  # queued until there is room
+        self._queued: Optional[Pass] = None  # the next plain pass, already running
+        self._read_at = 0.0  # when the last step's tokens were read
+        self._next_uid = 0
+        self.stream = generation_stream
+        self._wired = ExitStack()
+        self._wired.enter_context(wired_limit([m for m in (model.target.model, model.draft) if m], [self.stream]))
+
+    def close(self) -> None:
+        """The wired memory limit as it was before (safe to call twice)."""
+        self._wired.close()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.filling or self.waiting)
+
+    def add(self, request: Request) -> int:
+        """Queue a request; its uid.  Its Steps come out of step()."""
+        request.uid, self._next_uid = self._next_uid, self._next_uid + 1
+        request.begin(self.model)
+        self.waiting.append(request)
+        return request.uid
+
+    def remove(self, *uids: int) -> None:
+        """Drop requests (finished, stopped or cancelled); their rows are freed before the next step,
+        and what they decoded is kept in the prompt cache (a chat's next turn starts from it) and
+        in the model's store of answers (later requests copy from it)."""
+        leaving = [i for i, row in enumerate(self.rows) if row.uid in uids]
+        with mx.stream(self.stream):
+            self._keep_answers(leaving)
+        self.discard(*uids)
+
+    def discard(self, *uids: int) -> None:
+        """Drop requests keeping nothing of them (they failed: what they decoded is not an answer)."""
+        self.waiting = [row for row in self.waiting if row.uid not in uids]
+        self.filling, self.fill_cache = without(self.filling, self.fill_cache, uids)
+        self.rows, self.cache = without(self.rows, self.cache, uids)
+        if self._queued is not None:
+            self._queued = self._queued.rows([row.uid for row in self.rows]) if self.rows else None
+        if not self.busy and self.model.planner is not None:
+            self.model.planner.step_times.flush()  # idle: keep what was learnt for the next process
+
+    def step(self) -> BatchStep:
+        """One prefill chunk of the requests joining (those with room start theirs), then one
+        decode step of the rows, unless the chunk ended prompts: their first tokens go out at
+        once and the rows decode at the next step.  Rows that reach their max_tokens leave by
+        themselves.  A queued pass is for the rows as they were: it is taken before anyone joins."""
+        with mx.stream(self.stream):
+            steps, failed, size, width, passes = {}, {}, 0, 0, 0
+            try:
+                pipelined = self._queued is not None
+                if not pipelined:
+                    self._join(steps)
+                if self.rows and not steps:
+                    size, (width, passes) = len(self.rows), self._decode(steps, failed)
+                if pipelined:
+                    self._join(steps)
+            except Exception as error:
+                raise StepFailed(error, self._abandon()) from error
+            self.discard(*failed)
+            self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
+        return BatchStep(size, width, steps, passes, failed)
+
+    def _abandon(self) -> set[int]:
+        """After a failed step: the uids of every request it was decoding or prefilling, dropped
+        with their caches and the pass queued for them, nothing of them kept."""
+        uids = {row.uid for row in self.rows + self.filling}
+        self.rows, self.cache, self.filling, self.fill_cache, self._queued = [], None, [], None, None
+        return uids
+
+    def _keep_answers(self, leaving: list[int]) -> None:
+        """The state of each leaving row after its prompt and answer, into the prompt cache."""
+        for i in leaving:
+            row = self.rows[i]
+            fed = row.fed if self._queued is None else self._queued.fed(row)
+            self.prefix.keep_answer(row, self.cache, i, fed)
+
+    # ------------------------------------------------------------ joining
+
+    def _join(self, steps: dict) -> None:
+        """Waiting requests admitted, then PREFILL_STEP tokens of the filling prompts, in passes
+        of `prefill_pass()` tokens, until a pass ends a prompt (its first token goes out now)."""
+        self._admit()
+        size = prefill_pass()
+        for _ in range(PREFILL_STEP // size):
+            if not self.filling or self._fill(steps, size):
+                break
+
+    def _admit(self) -> None:
+        """Waiting requests start their prefill (first come, first served: a long request waits
+        for room instead of being overtaken for ever) from the longest prefix the prompt cache
+        holds (never the last token: its pass chooses the first one).  A request whose prompt
+        begins as one being prefilled (parallel agent sessions on one system prompt and set of
+        tools) waits until that prefill has passed what they share, and restores it instead of
+        prefilling it beside it: both get their first token sooner on a compute-bound machine."""
+        for row in list(self.waiting):
+            if not self._room_for(row):
+                break
+            if self.prefix.awaited(row, self.filling) is not None:
+                continue
+            self.waiting.remove(row)
+            if self._queued is None:  # (a queued pass, never there while requests wait, would have fed one more token)
+                self.prefix.keep_shared(row, self.rows, self.cache)
+            tcache, start = self.prefix.restore(row)
+            row.unfilled = row.prompt[start:]
+            self.filling.append(row)
+            self.fill_cache = joined(self.fill_cache, [tcache], self.max_batch > 1)
+
+    def _room_for(self, row: Request) -> bool:
+        others = self.rows + self.filling
+        if len(others) >= self.max_batch:
+            return False
+        if not others or self.max_batch_tokens is None:
+            return True
+        longest = max(
+            [row.most_tokens]
+            + [r.most_tokens for r in self.filling]
+            + ([self.cache.width + max(r.left for r in self.rows)] if self.rows else [])
+        )
+        return (len(others) + 1) * longest <= self.max_batch_tokens
+
+    def _fill(self, steps: dict, size: int) -> bool:
+        """The next chunk of every filling row's prompt, in one target pass (right-padded to the
+        longest chunk, `size` tokens in all); the rows whose prompt is in have their first token
+        chosen from its logits (their Step goes into `steps`) and join the decoding rows, but for
+        those it answers whole (max_tokens 1: a prompt prefilled for later), kept there and then.
+        Whether any did."""
+        rows, tic = self.filling, self.clock()
+        awaited = self.prefix.awaited_by(self.waiting[: self.max_batch], rows)
+        span = max(size // len(rows), 1)
+        chunks = [row.unfilled[: self.prefix.chunk_length(row, span)] for row in rows]
+        lengths = [len(chunk) for chunk in chunks]
+        tokens = mx.array([chunk + [0] * (max(lengths) - len(chunk)) for chunk in chunks])
+        self.fill_cache.pad_right(lengths)
+        logits, features = self.model.target(
+            tokens, self.fill_cache, self.model.feature_layers, logits_at=[n - 1 for n in lengths]
+        )
+        self.fill_cache.finalize()
+        firsts = {}
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            row.context.add(None if features is None else features[i : i + 1, :n])
+            row.unfilled = row.unfilled[n:]
+            if not row.unfilled:
+                firsts[i] = choose(masked(logits[i], row.masks([])), row.params, row.noise_at(0, 1))
+            self.prefix.keep_along(row, self.fill_cache, i, awaited)
+        mx.eval(
+            tree_arrays([c.state for c in self.fill_cache.layers]),
+            tree_arrays([c.state for row in rows for c in row.context.flush() or []]),
+            list(firsts.values()),
+        )
+        seconds = self.clock() - tic
+        for row in rows:
+            row.stats.prompt_seconds += seconds
+        for i, chosen in firsts.items():
+            steps[rows[i].uid] = rows[i].record(None, chosen.tolist(), 0, logits[i])
+        done = list(firsts)
+        if len(done) < len(rows):
+            mx.clear_cache()  # a long prompt's chunks: their activations are not kept
+        entering = [i for i in done if rows[i].left > 0]
+        for i in done:
+            if rows[i].left <= 0:  # answered by its first token (a prompt prefilled for later): kept, never decoding
+                self.prefix.keep_answer(rows[i], self.fill_cache, i, rows[i].prompt)
+        if len(entering) == len(rows):  # all in: their batch becomes (or joins) the decoding one, not copied
+            joining, self.filling, self.fill_cache = self.fill_cache, [], None
+            self._enter(rows, joining)
+        elif done:
+            joining = [self.fill_cache.extract(i) for i in entering]
+            self.filling, self.fill_cache = without(rows, self.fill_cache, {rows[i].uid for i in done})
+            if entering:
+                self._enter([rows[i] for i in entering], joined(None, joining, self.max_batch > 1))
+        return bool(done)
+
+    def _enter(self, rows: list[Request], joining) -> None:
+        """Rows holding all of their prompt (in `joining`, their cache) and their first token
+        join the decoding rows; a long prefill is kept for reuse."""
+        for i, row in enumerate(rows):
+            self.prefix.keep_prefill(row, joining, i, PREFILL_STEP)
+        if self.cache is None:
+            self.cache = joining
+        else:
+            self.cache.extend(joining)
+        self.cache = settled(self.cache)
+        self.rows += rows
+
+    # ------------------------------------------------------------ decoding
+
+    def _decode(self, steps: dict, failed: dict) -> tuple[int, int]:
+        """One decode step of the rows: its width and its number of target passes.  A row whose
+        tokens its own state refuses (a grammar's) goes into `failed`, rolled back with the others."""
+        planner, started = self.model.planner, self.clock()
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            # queued during the step before, and computed beside it: what it costs is the time
+            # between the two steps' tokens (from its own start it looks nearly free, and the
+            # planner would then judge every drafting step against a plain step that is not)
+            started, done = self._read_at, [(0, queued)]
+        else:
+            passes = self._passes()  # first: it may reorder the rows and their cache
+            done = verify_passes(self.model, self.rows, self.cache, passes, self.clock)
+        width = max(plan.width for _, current in done for plan in current.plans)
+        if width == 1 and len(done) == 1:
+            _, current = done[0]
+            mx.async_eval(current.choices)  # its own task: reading it must not wait for the pass queued next
+            self._queue_next(self.rows, current)
+        mx.eval(
+            [choice for _, current in done for choice in current.choices], [p for _, c in done for p in c.proposals]
+        )
+        self._read_at = self.clock()
+        keeps = []
+        for start, current in done:
+            for i, (plan, proposal, (n, next_token)) in enumerate(
+                zip(current.plans, current.proposals, current.choices)
+            ):
+                row, n = self.rows[start + i], n.item()
+                keeps.append(n + 1)
+                row.context.add(None if current.features is None else current.features[i : i + 1, : n + 1])
+                try:
+                    steps[row.uid] = row.record(
+                        plan, proposal[:n].tolist() + [next_token.item()], n, current.logits[i, : n + 1]
+                    )
+                except Exception as error:
+                    failed[row.uid] = error
+        if width > 1:
+            self.cache.rollback_rows(keeps)
+        seconds = self.clock() - started
+        for start, current in done:
+            rows = self.rows[start : start + len(current.plans)]
+            if planner is not None:
+                # a pass run apart from the others is judged by its own time (and its share of reading them all)
+                share = seconds if len(done) == 1 else current.seconds * seconds / sum(c.seconds for _, c in done)
+                planner.learn(rows, current.plans, [k - 1 for k in keeps[start : start + len(rows)]], share)
+            for row in rows:
+                row.stats.decode_seconds += seconds
+        return width, len(done)
+
+    def _passes(self) -> list[tuple[int, list[Plan]]]:
+        """The step's target passes, as (first row, plans of its rows): one, or (a planner's
+        choice, on a batch that can run a pass over some rows alone) two, over consecutive rows,
+        the batch's rows reordered first when they are not."""
+        rows, planner = self.rows, self.model.planner
+        if planner is None:
+            return [(0, [fixed_plan(row.block, row.left) for row in rows])]
+        passes = planner.passes(rows, self.model.draft is not None, apart=len(rows) > 1 and self.cache.splittable)
+        passes.sort(key=lambda part: part[0][0])
+        order = [i for indices, _ in passes for i in indices]
+        if order != list(range(len(rows))):
+            self.rows = [rows[i] for i in order]
+            self.cache.keep_rows(order)
+            settled(self.cache)  # the copy is not the pass's: it would teach the planner a dear shape
+        starts = [0]
+        for indices, _ in passes[:-1]:
+            starts.append(starts[-1] + len(indices))
+        return [(start, plans) for start, (_, plans) in zip(starts, passes)]
+
+    def _queue_next(self, rows: list[Request], current: Pass) -> None:
+        """After a plain pass, the next one too when nothing joins, no row ends or has a grammar
+        (whose next mask needs this token) and the plan ahead is plain for every row."""
+        if self.waiting or self.filling or any(row.left <= 1 or row.constraint is not None for row in rows):
+            return
+        planner = self.model.planner
+        plans = (
+            planner.plan(rows, self.model.draft is not None, lookahead=1)
+            if planner
+            else [fixed_plan(row.block, row.left - 1) for row in rows]
+        )
+        if any(plan != PLAIN for plan in plans):
+            return
+        self._queued = verify_pass(
+            self.model, rows, plans, [next_token.reshape(1) for _, next_token in current.choices], 1, self.cache
+        )
+        mx.async_eval([choice for choice in self._queued.choices])
+
+
+def decode(
+    model: DFlashModel,
+    prompt: mx.array,
+    params: SamplingParams,
+    max_tokens: int,
+    block_size: Optional[int] = None,
+    stats: Optional[DecodeStats] = None,
+    seed: Optional[int] = None,
+    prompt_cache: Optional[PromptCache] = None,
+    logprobs: Optional[int] = None,
+    grammar: Optional[Grammar] = None,
+    clock: Optional[Callable[[], float]] = None,
+) -> Iterator[Step]:
+    """One request decoded alone (a batch of one): its Steps until `max_tokens` are out (the
+    caller stops earlier on EOS or stop strings by closing the generator).  Arguments as
+    request.Request's; with a `prompt_cache`, the longest prefix it holds is restored
+    instead of prefilled."""
+    request = Request(
+        prompt.tolist(),
+        max_tokens,
+        params,
+        seed,
+        block_size,
+        logprobs,
+        grammar,
+        stats if stats is not None else DecodeStats(),
+    )
+    return decode_alone(model, request, prompt_cache, clock)
+
+
+def decode_alone(
+    model: DFlashModel,
+    request: Request,
+    prompt_cache: Optional[PromptCache] = None,
+    clock: Optional[Callable[[], float]] = None,
+) -> Iterator[Step]:
+    """`request`'s Steps, decoded alone (timed by `clock`, time.perf_counter by default)."""
+    decoder = Decoder(model, prompt_cache, max_batch=1, clock=clock)
+    uid = decoder.add(request)
+    try:
+        while decoder.busy:
+            try:
+                done = decoder.step()
+            except StepFailed as failed:
+                raise failed.error
+            if uid in done.failed:
+                raise done.failed[uid]
+            if uid in done.steps:
+                yield done.steps[uid]
+    finally:
+        decoder.remove(uid)  # closed early (EOS, a stop string): its state is kept all the same
+        decoder.close()
+
+
+def warm_up(model: DFlashModel, max_batch: int = 1) -> None:
+    """A short request decoded and dropped, drafting and then plain, on a decoder of the
+    server's shape (no prompt cache; no answers, acceptance or step times kept), so that a fresh
+    server's first request does not pay for the first calls (kernels built, buffers allocated)."""
+    quiet = replace(model, planner=None, suffixes=None)
+    decoder = Decoder(quiet, max_batch=max_batch)
+    prompt = [i % model.target.vocab_size for i in range(prefill_pass() + 16)]
+    widest = model.draft.block_size if model.draft is not None else 1
+    try:
+        # a verify of the drafter's whole block (plain without one), then plain steps
+        for block, tokens in ((None, 1 + widest), (1, 3)):
+            decoder.add(Request(prompt, tokens, SamplingParams(), block_size=block))
+            while decoder.busy:
+                decoder.step()
+    finally:
+        decoder.close()

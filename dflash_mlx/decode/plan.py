@@ -1,0 +1,385 @@
+"""The plan of each decode step: for every row, what proposes (the drafter, the prompt
+lookup, or nothing) and how many tokens the step verifies.
+
+With the cost of a step (costs.py) and an estimate of how often a proposal's k-th token
+is accepted, the planner chooses the plans that maximise the tokens the step is expected
+to commit per second:
+
+    sum over rows E[committed | L_row] / seconds(rows, L),   E[committed | L] = 1 + sum_{k<L} prod_{j<=k} a_j
+
+where every row is verified at the step's width L (the widest plan's; a narrower plan is
+padded with tokens that are never accepted).  One row is the single-stream case: plain
+decoding (L = 1), the drafter at L = 2 .. its block, or the prompt lookup's proposal
+(lookup.py: no drafter pass) at L = 2 .. its length + 1, judged by the acceptance of
+matches of that suffix length (a 1-token match is a weak hint, a 4-token one a strong one),
+or the session-wide store's proposal (suffix.py: what earlier answers most often said
+next), judged by the acceptance of matches of its length class.
+On a CPU, where a pass is compute-bound, a large batch decodes plain; where the pass cost
+is flat in its length (a Mac GPU), drafting pays at small and medium batch sizes.
+
+Acceptance estimates are per row (its generation): each starts from a prior, the long-run
+estimate of that kind over everything decoded so far (for a copy, starting from what its match's
+agreement says: `copy_prior`), and follows the evidence of its last
+cycles (every cycle ages it, so it drifts back to the prior when a kind has not been tried
+lately).  The drafter's are per position (its later tokens are guessed from less); a copy's
+are one rate for every position (a copy goes wrong where the text was changed, wherever that
+falls), so copies accepted whole widen past positions never tried.  A drafter the prior says
+never pays is still tried, at width 2, after `first_probe` steps of each generation and then
+once every `explore_every` steps without it (rows due together probe together): a prompt can
+be easier than the average.  A prompt
+lookup's or the store's proposal is judged by its kind's acceptance estimate, and once a copy of
+its kind went wrong in this generation it is never wider than copies of that kind have since
+earned (`copy_widths`): cut to just past the accepted run, doubled after each copy accepted
+whole.  So a faithful copy is verified at full width from its first cycle, and a run of wrong
+copies (a prompt that reformats rather than copies) pays one wide verify per kind, then 2-token
+ones.  And a
+plain step of a batch size not run for `explore_every` steps is run again, so the figure
+it is judged by stays current.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from .costs import CostModel, StepTimes, context_class
+from .lookup import MATCH_BUCKETS, Match
+from ..sampling import SamplingParams
+
+COPIES = ("lookup", "suffix")  # sources that copy earlier tokens (no drafter pass)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position conditional acceptance a_k = P(token k accepted | 1..k-1 accepted),
+    as exponentially aged counts on top of a prior (a rate, or one per position).  A
+    position with no prior of its own inherits the estimate of the position before
+    it, so the width can grow in one step when drafts are being fully accepted."""
+
+    max_width: int
+    prior: float | list = 0.5  # one rate, or one per position (None: inherit the position before)
+    prior_weight: float = 2.0
+    decay: float = 0.98
+    trials: list = field(default_factory=list)
+    hits: list = field(default_factory=list)
+    pooled: bool = False  # one rate for every position (a copy)
+
+    def __post_init__(self):
+        self.trials = self.trials or [0.0] * self.max_width
+        self.hits = self.hits or [0.0] * self.max_width
+
+    def rates(self) -> list[float]:
+        priors = self.prior if isinstance(self.prior, list) else [self.prior]
+        if self.pooled:
+            # a copy goes wrong where the text was changed, whatever the position: every accepted
+            # token is evidence for the next (per-position rates never learn positions not yet tried)
+            rate = (sum(self.hits) + priors[0] * self.prior_weight) / (sum(self.trials) + self.prior_weight)
+            return [rate] * self.max_width
+        rates, previous = [], priors[0]
+        for k, (t, h) in enumerate(zip(self.trials, self.hits)):
+            own = priors[k] if k < len(priors) else None
+            previous = (h + (previous if own is None else own) * self.prior_weight) / (t + self.prior_weight)
+            rates.append(previous)
+        return rates
+
+    def informed_rates(self, min_trials: float = 1.0) -> list[Optional[float]]:
+        """The first position's rate, then the rates of the positions with evidence behind them
+        (None elsewhere): a prior that lets positions never tried inherit the estimate of the
+        position before them."""
+        rates = self.rates()
+        return rates[:1] + [r if t >= min_trials else None for r, t in zip(rates[1:], self.trials[1:])]
+
+    def age(self) -> None:
+        """One cycle has passed: older evidence counts for less."""
+        self.trials = [t * self.decay for t in self.trials]
+        self.hits = [h * self.decay for h in self.hits]
+
+    def observe(self, width: int, accepted: int) -> None:
+        """A cycle that proposed width-1 tokens and had `accepted` of them accepted."""
+        for k in range(min(accepted + 1, width - 1)):  # positions actually tested
+            self.trials[k] += 1
+            self.hits[k] += k < accepted
+
+    def expected_committed(self) -> list[float]:
+        """[L] = E[committed | width L], for L = 0 .. max_width + 1 ([0] unused)."""
+        run, sums = 1.0, [1.0, 1.0]
+        for a in self.rates():
+            run *= a
+            sums.append(sums[-1] + run)
+        return sums
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one cycle does: verify `width` tokens, the last committed one plus width - 1
+    proposed by `source` ("dflash": the drafter; "lookup" or "suffix": copied `tokens`, found
+    by a match of `match` tokens, or of that length class); width 1 is a plain decoding step."""
+
+    width: int = 1
+    source: str = "plain"
+    tokens: tuple = ()
+    match: int = 0
+
+    @property
+    def kind(self) -> str:
+        """Whose acceptance estimate this plan is judged by."""
+        return f"{self.source}{self.match}" if self.source in COPIES else self.source
+
+
+PLAIN = Plan()
+
+
+def is_copy(kind: str) -> bool:
+    return kind.startswith(COPIES)
+
+
+def copy_prior(kind: str) -> float:
+    """What a copy of `kind` is expected to get right before any of its kind was tried: its match
+    is n tokens agreeing in a row (n the fewest of its length class), and by Laplace's rule of
+    succession the next agrees with probability (n + 1) / (n + 2): 0.67 for a one-token match,
+    0.83 for 4, 0.91 for 9-16.  (A flat 0.5 verified even a 16-token agreement 2 tokens at a
+    time until its kind had earned more, in every fresh process.)"""
+    source = next(source for source in COPIES if kind.startswith(source))
+    length = int(kind[len(source) :])  # Plan.kind: the source, then its match's length (class)
+    shortest = max((bucket + 1 for bucket in MATCH_BUCKETS if bucket < length), default=length)
+    return (shortest + 1) / (shortest + 2)
+
+
+class Row(Protocol):
+    """What the planner reads of a request (request.Request)."""
+
+    adaptive: bool  # its width follows the plan (no fixed block size asked for)
+    block: int  # its widest verify
+    left: int  # tokens it may still commit
+    context_length: int  # tokens its caches hold (prompt + committed)
+    params: SamplingParams
+    estimates: dict  # kind -> AcceptanceEstimate, this generation's
+    since_draft: int  # steps since it last drafted
+    copy_widths: dict  # copy kind -> the widest verify its next proposal may have
+
+    def matches(self, limit: int) -> list[Match]: ...
+
+
+@dataclass
+class Planner:
+    """Chooses every step's plans (`plan`) and learns from what the steps did (`learn`)."""
+
+    cost: CostModel
+    max_width: int
+    step_times: StepTimes = field(default_factory=StepTimes)
+    prior: float = 0.5
+    explore_every: int = 64
+    first_probe: int = 8
+    apart_gain: float = 1.1  # what two passes must gain over one to be run apart (a cut may reorder the rows)
+    long_run_decay: float = 0.999
+    long_run: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate over every generation
+    steps: int = 0  # steps learnt from
+    plain_at: dict = field(default_factory=dict)  # batch size -> the step its plain shape last ran at
+
+    def start(self, row: Row) -> None:
+        """A new generation: fresh estimates, and an early first probe of the drafter
+        (prompts differ more than the long run says)."""
+        row.estimates, row.copy_widths = {}, {}
+        row.since_draft = max(0, self.explore_every - self.first_probe)
+
+    def estimate(self, row: Row, kind: str) -> AcceptanceEstimate:
+        """The row's acceptance estimate of `kind` (the long-run rates are its prior)."""
+        if kind not in row.estimates:
+            row.estimates[kind] = AcceptanceEstimate(
+                self.max_width, prior=self._long_run(kind).informed_rates(), pooled=is_copy(kind)
+            )
+        return row.estimates[kind]
+
+    def _long_run(self, kind: str) -> AcceptanceEstimate:
+        if kind not in self.long_run:
+            prior = copy_prior(kind) if is_copy(kind) else self.prior
+            self.long_run[kind] = AcceptanceEstimate(
+                self.max_width, prior=prior, decay=self.long_run_decay, pooled=is_copy(kind)
+            )
+        return self.long_run[kind]
+
+    # ------------------------------------------------------------ planning
+
+    def plan(self, rows: list[Row], drafter: bool = True, lookahead: int = 0) -> list[Plan]:
+        """Each row's plan for the next step.  With `lookahead` = 1 the step after that is
+        planned before the coming tokens are read (to queue it when it is plain): the rows
+        count one token less left, and their copy matches are the current ones."""
+        return self._plan(rows, drafter, lookahead)[0]
+
+    def _plan(self, rows: list[Row], drafter: bool, lookahead: int = 0) -> tuple[list[Plan], Optional[list]]:
+        """plan()'s plans, and the rows' copy matches when it looked them up (None when it chose
+        without them: no adaptive row, or a plain step re-timed)."""
+        lefts = [row.left - lookahead for row in rows]
+        fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
+        if not any(row.adaptive for row in rows):
+            return fixed, None
+        least = max((plan.width for row, plan in zip(rows, fixed) if not row.adaptive), default=1)
+        if least == 1 and self.steps - self.plain_at.get(len(rows), 0) >= self.explore_every:
+            return [PLAIN] * len(rows), None  # re-time the plain step: its figure may be old, or one bad step
+        matches = [row.matches(min(self.max_width, left) - 1) if row.adaptive else [] for row, left in zip(rows, lefts)]
+        best, _ = self._best(rows, lefts, fixed, matches, drafter, self._expected(rows), least)
+        return self._probes(rows, lefts, best, drafter), matches
+
+    def _best(self, rows, lefts, fixed, matches, drafter: bool, expected, least: int = 1) -> tuple[list[Plan], float]:
+        """The rows' plans at the width that commits most per second, and that figure."""
+        best, best_value = fixed, -1.0
+        for width in range(least, self.max_width + 1):
+            plans = [
+                self._row_plan(row, min(width, left), match, drafter, expected) if row.adaptive else plan
+                for row, left, plan, match in zip(rows, lefts, fixed, matches)
+            ]
+            value = sum(expected(row, plan) for row, plan in zip(rows, plans)) / self.seconds(rows, plans)
+            if value > best_value:
+                best, best_value = plans, value
+        return best, best_value
+
+    def passes(self, rows: list[Row], drafter: bool = True, apart: bool = False) -> list[tuple[list[int], list[Plan]]]:
+        """The next step as target passes: each pass's rows (indices into `rows`) and their plans.
+
+        One pass verifies every row at its widest plan's width.  Where a pass costs what its
+        tokens do (a CPU) and the rows want different widths (one copying long runs, another whose
+        drafts are short), that width is wasted on the narrow rows: with `apart` (the batch can
+        run a pass over some rows alone), the rows ordered by the width each would verify alone
+        are cut in two, each part verified at its own width in a pass of its own, when that is
+        expected to commit `apart_gain` times the tokens per second (a cut may reorder the batch's
+        rows, a copy of their caches).  Where a pass's cost hardly grows with its rows (a GPU),
+        two passes never pay, and are not weighed."""
+        plans, matches = self._plan(rows, drafter)
+        whole = [(list(range(len(rows))), plans)]
+        width = max(plan.width for plan in plans)
+        if not apart or len(rows) < 2 or width == 1 or matches is None or not all(row.adaptive for row in rows):
+            return whole
+        one_pass, context = self.seconds(rows, plans), span(rows)
+        cheapest = sum(self.step_times.seconds(1, w, self.cost.verify(w), context) for w in (width, 1))
+        if cheapest >= one_pass:  # the cheapest two passes (a row at this width, one plain) cost more
+            return whole
+        lefts = [row.left for row in rows]
+        fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
+        expected = self._expected(rows)  # (the copy matches are plan()'s: every row is adaptive)
+
+        def best(indices: list[int]) -> tuple[list[Plan], float, float]:
+            """The part's plans, the tokens they are expected to commit and their seconds."""
+            part = [rows[i] for i in indices]
+            plans, _ = self._best(
+                part,
+                [lefts[i] for i in indices],
+                [fixed[i] for i in indices],
+                [matches[i] for i in indices],
+                drafter,
+                expected,
+            )
+            plans = self._probes(part, [lefts[i] for i in indices], plans, drafter)
+            return plans, sum(expected(row, plan) for row, plan in zip(part, plans)), self.seconds(part, plans)
+
+        by_width = sorted(range(len(rows)), key=lambda i: -best([i])[0][0].width)  # each planned alone
+        value = sum(expected(row, plan) for row, plan in zip(rows, plans)) / one_pass
+        chosen = whole
+        for cut in range(1, len(rows)):
+            first, second = sorted(by_width[:cut]), sorted(by_width[cut:])
+            (plans1, tokens1, seconds1), (plans2, tokens2, seconds2) = best(first), best(second)
+            drafting = any(plan.width > 1 for plan in plans1 + plans2)
+            if drafting and (tokens1 + tokens2) / (seconds1 + seconds2) > self.apart_gain * value:
+                chosen, value = [(first, plans1), (second, plans2)], (tokens1 + tokens2) / (seconds1 + seconds2)
+        return chosen
+
+    def _expected(self, rows: list[Row]):
+        sums = {}  # (row, kind) -> E[committed | width] for every width: summed once per step
+
+        def expected(row: Row, plan: Plan) -> float:
+            if plan.width == 1:
+                return 1.0
+            if (id(row), plan.kind) not in sums:
+                sums[id(row), plan.kind] = self.estimate(row, plan.kind).expected_committed()
+            return sums[id(row), plan.kind][plan.width]
+
+        return expected
+
+    def _row_plan(self, row: Row, limit: int, matches: list[Match], drafter: bool, expected) -> Plan:
+        """The row's likeliest-accepted proposal of at most `limit` tokens verified."""
+        limit = min(limit, row.block)
+        if limit < 2:
+            return PLAIN
+        candidates = [Plan(limit, "dflash")] if drafter else []
+        for match in matches:
+            if match:
+                kind = f"{match.source}{match.length}"
+                longest = min(len(match.tokens) + 1, limit, row.copy_widths.get(kind, limit))
+                candidates.append(Plan(longest, match.source, match.tokens[: longest - 1], match.length))
+        return max(candidates, key=lambda plan: expected(row, plan), default=PLAIN)
+
+    def _probes(self, rows: list[Row], lefts: list[int], plans: list[Plan], drafter: bool) -> list[Plan]:
+        """Rows whose drafter has not run for `explore_every` steps draft at width 2 (with
+        them, every row halfway there: probes of one batch share a step)."""
+
+        def due(row, left, plan, steps):  # this step would be the `steps`-th without drafting
+            return row.adaptive and plan == PLAIN and left >= 2 and row.since_draft + 1 >= steps
+
+        if not drafter or not any(due(*args, self.explore_every) for args in zip(rows, lefts, plans)):
+            return plans
+        return [
+            Plan(2, "dflash") if due(row, left, plan, self.explore_every // 2) else plan
+            for row, left, plan in zip(rows, lefts, plans)
+        ]
+
+    def modelled(self, rows: list[Row], plans: list[Plan]) -> float:
+        """One step's time by the cost curve: a target pass over every row at the widest plan's
+        width, one drafter pass per width the drafting rows draft at, and each row's sampling
+        distributions."""
+        cost, width = self.cost, max(plan.width for plan in plans)
+        drafting: dict[int, int] = {}
+        for plan in plans:
+            if plan.source == "dflash" and plan.width > 1:
+                drafting[plan.width] = drafting.get(plan.width, 0) + 1
+        return (
+            cost.verify(len(rows) * width)
+            + sum(cost.drafter_pass(w, count) for w, count in drafting.items())
+            + sum(
+                cost.sampling(plan.width, row.params, drafted=plan.source == "dflash") for row, plan in zip(rows, plans)
+            )
+        )
+
+    def seconds(self, rows: list[Row], plans: list[Plan]) -> float:
+        """The expected wall time of a step: the curve, scaled by what steps of its shape took."""
+        width = max(plan.width for plan in plans)
+        return self.step_times.seconds(len(rows), width, self.modelled(rows, plans), span(rows))
+
+    # ------------------------------------------------------------ learning
+
+    def learn(self, rows: list[Row], plans: list[Plan], accepted: list[int], seconds: float) -> None:
+        """A step just run: each adaptive row's acceptance (where it proposed), and its time."""
+        for row, plan, n in zip(rows, plans, accepted):
+            if plan.source == "dflash":
+                row.since_draft = 0
+            else:
+                row.since_draft += 1
+            if not row.adaptive:
+                continue
+            for estimate in row.estimates.values():
+                estimate.age()
+            if plan.source in COPIES:
+                # once a copy of its kind went wrong, a copy's width follows what copies of its kind
+                # just did: cut to just past the accepted run (a wrong copy -> 2), doubled after each
+                # copy accepted whole
+                if n < plan.width - 1:
+                    row.copy_widths[plan.kind] = n + 2
+                elif plan.kind in row.copy_widths:  # the cap doubles, even when the plan chose narrower
+                    row.copy_widths[plan.kind] = min(self.max_width, 2 * row.copy_widths[plan.kind])
+            if plan.width > 1:
+                self.estimate(row, plan.kind).observe(plan.width, n)
+                long_run = self._long_run(plan.kind)
+                long_run.age()
+                long_run.observe(plan.width, n)
+        width = max(plan.width for plan in plans)
+        self.step_times.observe(len(rows), width, self.modelled(rows, plans), seconds, span(rows))
+        self.steps += 1
+        if width == 1:
+            self.plain_at[len(rows)] = self.steps
+
+
+def span(rows: list[Row]) -> int:
+    """The context class of a step over `rows` (a batch attends over its longest row's length)."""
+    return context_class(max(row.context_length for row in rows))
+
+
+def fixed_plan(block: int, left: int) -> Plan:
+    """A row's plan without a planner: the drafter at its block size (cut to what is left)."""
+    width = min(block, left)
+    return Plan(width, "dflash") if width > 1 else PLAIN
