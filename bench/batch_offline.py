@@ -38,7 +38,7 @@ class Theirs:
         )
 
     def ops(self):
-        from dflash_mlx.fused_ops import unfused
+        from dflash_mlx.kernels.fused_ops import unfused
 
         return unfused(self.net)  # mlx-lm's own ops, not our compiled norms and RoPEs
 

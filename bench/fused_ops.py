@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import load
 from dflash_mlx.bench.harness import machine
-from dflash_mlx.fused_ops import scaled_dot_product_attention, unfused
+from dflash_mlx.kernels.fused_ops import scaled_dot_product_attention, unfused
 
 
 def primitives(*outputs) -> int:

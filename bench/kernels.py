@@ -22,7 +22,7 @@ import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 
-from dflash_mlx import kernels
+from dflash_mlx.kernels import metal as kernels
 from dflash_mlx.io.progress import add_task, progress
 
 

@@ -32,8 +32,8 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import load
 from dflash_mlx.api import format_prompt
 from dflash_mlx.bench.prompt_sets import mixed_prompts
-from dflash_mlx.engine import decode
-from dflash_mlx.fused_ops import unfused
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.kernels.fused_ops import unfused
 from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.sampling import SamplingParams
 

@@ -23,9 +23,10 @@ import typer
 import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 
-from dflash_mlx import kernels, load
+from dflash_mlx import load
+from dflash_mlx.kernels import metal as kernels
 from dflash_mlx.bench.harness import run_bench
-from dflash_mlx.costs import measure_costs
+from dflash_mlx.decode.costs import measure_costs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from kernels import attention_rows, rollback_rows  # noqa: E402  (bench/kernels.py, the speed tables)

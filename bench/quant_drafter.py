@@ -19,12 +19,12 @@ import mlx_lm
 from dflash_mlx.convert.models import convert_draft, draft_size_mb
 from dflash_mlx.train.data import read_data
 from dflash_mlx.drafters import load_draft
-from dflash_mlx.engine import decode
-from dflash_mlx.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.convert.smollm2 import smollm2_path
-from dflash_mlx.registry import DEFAULT_DRAFT
+from dflash_mlx.api.registry import DEFAULT_DRAFT
 from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.target import Target
+from dflash_mlx.target.wrapper import Target
 
 
 def main(prompts: int = 8, max_tokens: int = 96):

@@ -29,10 +29,10 @@ from dflash_mlx.api import format_prompt, load, stream_generate
 from dflash_mlx.bench.harness import _timed
 from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.drafters import load_draft, save_draft
-from dflash_mlx.fused_ops import unfused
+from dflash_mlx.kernels.fused_ops import unfused
 from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.convert.smollm2 import smollm2_path
-from dflash_mlx.registry import DEFAULT_DRAFT
+from dflash_mlx.api.registry import DEFAULT_DRAFT
 
 
 def zlab_drafter(path: Path, folder: Path):
