@@ -24,6 +24,6 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --no-deps "dflash==0.1.0"
 # the CPU kernels are built for this machine now rather than on the first model load
 if [ "$(uname -s)" = Linux ]; then
-  .venv/bin/python -c "from dflash_mlx.cpu_kernels import row_softmax_kernel; row_softmax_kernel()"
+  .venv/bin/python -c "from dflash_mlx.kernels.cpu import row_softmax_kernel; row_softmax_kernel()"
 fi
 echo "ready: .venv/bin/dflash-mlx"
