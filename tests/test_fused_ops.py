@@ -90,7 +90,7 @@ def causal(length, total):
 @pytest.mark.parametrize("softmax", ["kernel", "mlx form"])
 def test_the_compiled_softmax_attention_matches_mlx(mask, in_cache, softmax, monkeypatch):
     """Whole, and in parts: 2 rows x 2 kv heads x 3 query heads x 5 queries x 45 keys = 2,700 scores;
-    with the C++ row softmax (cpu_kernels.py), and with the softmax MLX ops compose where it is not built."""
+    with the C++ row softmax (kernels/cpu.py), and with the softmax MLX ops compose where it is not built."""
     monkeypatch.setattr(fused_ops, "SCORES_IN_CACHE", in_cache)
     if softmax == "mlx form":
         monkeypatch.setattr(fused_ops, "row_softmax_kernel", lambda: None)

@@ -196,3 +196,31 @@ def assert_served_alike(model, tokenizer, prompts, expected):
     finally:
         http.should_exit = True
         server.worker.stop()
+
+
+def test_tokens_a_grammar_forces_are_verified_as_a_draft(plain, monkeypatch):
+    """A grammar that fixes a stretch of text (a tool call's frame and name) proposes it whole:
+    one target pass verifies the stretch and the next choice, and the output is what constrained
+    decoding without such drafts gives, greedy and seeded."""
+    from dflash_mlx.decode.grammar import GrammarState
+
+    model, tokenizer = plain
+    lark = (
+        'start: "<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": " args "}\\n</tool_call>"\n'
+        'args: %json{"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}'
+    )
+    grammar = Grammar(tokenizer, lark, model.target.vocab_size)
+    prompt = tokenizer.encode("the cat")
+
+    def run(**options):
+        responses = list(stream_generate(model, tokenizer, prompt, 60, grammar=grammar, **options))
+        return [t for r in responses for t in r.tokens], responses[-1]
+
+    for options in ({}, {"temp": 1.0, "seed": 3}):
+        forced, last = run(**options)
+        with monkeypatch.context() as patch:
+            patch.setattr(GrammarState, "forced", lambda self, limit: [])
+            unforced, plain_last = run(**options)
+        assert forced == unforced and tokenizer.decode(forced).startswith('<tool_call>\n{"name": "get_weather"')
+        assert "grammar" in last.sources and "grammar" not in plain_last.sources
+        assert len(last.widths) < len(plain_last.widths) / 2  # target passes

@@ -1,5 +1,5 @@
 """Generating text: prompts checked and encoded, requests decoded alone or together
-(engine.py), their tokens streamed back as text, cut at EOS, a stop string or max_tokens."""
+(decode/decoder.py), their tokens streamed back as text, cut at EOS, a stop string or max_tokens."""
 
 import numbers
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ class GenerationResponse:
     acceptance_histogram: list[int]  # [k-1] = cycles that committed k tokens
     block_size: int
     widths: list[int]  # verify width of each cycle so far (1 = plain decoding)
-    sources: list[str]  # what proposed each cycle so far: "plain", "dflash", "lookup" (prompt lookup) or "suffix"
+    sources: list[str]  # what proposed each cycle: "plain", "dflash", "lookup" (prompt lookup), "suffix", "grammar"
     adaptive: bool = False  # the width was chosen per cycle
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache
     logprobs: Optional[list[TokenLogprob]] = None  # of `tokens`, when stream_generate was asked for them
@@ -281,7 +281,7 @@ def stream_generate(
 
 
 class BatchGenerator:
-    """Requests decoded together (engine.Decoder), each streamed as stream_generate streams it.
+    """Requests decoded together (decode.decoder.Decoder), each streamed as stream_generate streams it.
 
         gen = BatchGenerator(model, tokenizer, max_batch=8)
         uid = gen.insert("Hello", max_tokens=64, temp=0.7, seed=1)
@@ -326,12 +326,12 @@ class BatchGenerator:
         self.responses.pop(uid, None)
 
     def close(self) -> None:
-        """Done with it: the wired memory limit as it was (engine.Decoder.close)."""
+        """Done with it: the wired memory limit as it was (Decoder.close)."""
         self.decoder.close()
 
     def warm_up(self) -> None:
         """A throw-away request through the model, so that the first real one does not pay for
-        first calls (engine.warm_up); nothing of it is kept."""
+        first calls (decoder.warm_up); nothing of it is kept."""
         warm_up(self.model, self.decoder.max_batch)
 
     def next(self) -> list[tuple[int, GenerationResponse]]:
@@ -435,10 +435,11 @@ def format_stats(r: GenerationResponse, model: DFlashModel) -> str:
         hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(r.acceptance_histogram) if n)
         lines.append(f"DFlash: block {r.block_size}, tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}")
         if r.adaptive and r.widths:
-            kinds = {s: r.sources.count(s) for s in ("dflash", "lookup", "suffix", "plain")}
+            kinds = {s: r.sources.count(s) for s in ("dflash", "lookup", "suffix", "grammar", "plain")}
+            forced = f"{kinds['grammar']} forced by the grammar, " if kinds["grammar"] else ""
             lines.append(
                 f"Adaptive: mean width {sum(r.widths) / len(r.widths):.1f}; cycles: {kinds['dflash']} drafted, "
-                f"{kinds['lookup']} prompt lookup, {kinds['suffix']} copied from earlier answers, "
+                f"{kinds['lookup']} prompt lookup, {kinds['suffix']} copied from earlier answers, {forced}"
                 f"{kinds['plain']} plain (predicted fastest there)"
             )
     else:

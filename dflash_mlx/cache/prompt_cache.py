@@ -3,7 +3,7 @@ prompt, an agent's many requests): snapshots of the target caches and the drafte
 context, looked up by a token trie (mlx-lm's PromptTrie), in an LRU bounded in bytes, and
 optionally in a folder on disk that survives a restart.
 
-Snapshots are taken when a request leaves (its prompt + answer, engine.py), after prefilling a
+Snapshots are taken when a request leaves (its prompt + answer, decode/decoder.py), after prefilling a
 prompt when that prefill was long, and, when the caches cannot be cut back, before its last
 token (a retried prompt).  A new prompt restores the snapshot sharing its
 longest prefix and prefills only the rest.  A snapshot is used whole when the new prompt

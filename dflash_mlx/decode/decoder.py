@@ -33,7 +33,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from ..kernels.fused_ops import fusing
 from .grammar import Grammar, masked
 from .model import DecodeStats, DFlashModel, Step
-from .plan import PLAIN, Plan, fixed_plan
+from .plan import PLAIN, Plan, fixed_plan, with_forced
 from ..cache.prompt_cache import PromptCache
 from .prefix import PrefixPolicy
 from .rows import joined, settled, tree_arrays, without
@@ -343,9 +343,9 @@ class Decoder:
         the batch's rows reordered first when they are not."""
         rows, planner = self.rows, self.model.planner
         if planner is None:
-            return [(0, [fixed_plan(row.block, row.left) for row in rows])]
+            return [(0, with_forced(rows, [fixed_plan(row.block, row.left) for row in rows]))]
         passes = planner.passes(rows, self.model.draft is not None, apart=len(rows) > 1 and self.cache.splittable)
-        passes.sort(key=lambda part: part[0][0])
+        passes = sorted((indices, with_forced([rows[i] for i in indices], plans)) for indices, plans in passes)
         order = [i for indices, _ in passes for i in indices]
         if order != list(range(len(rows))):
             self.rows = [rows[i] for i in order]

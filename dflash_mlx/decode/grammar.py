@@ -6,7 +6,10 @@ committed text plus proposal[:i].  Drafts and prompt-lookup proposals stay
 unconstrained; a token the grammar forbids is simply not the target's choice
 there, so the proposal is rejected at that position, and the output is exactly
 what constrained plain decoding gives (greedy token for token; sampled, the same
-masked distribution and, seeded, the same tokens).
+masked distribution and, seeded, the same tokens).  Where the grammar allows one
+token alone for a stretch (a schema's keys, a forced tool call's name), those
+tokens are the proposal (`forced`): verified with the target's next choice in one
+pass, and certain to be accepted, since the mask leaves nothing else.
 
 Grammars come from llguidance (the constrained-decoding engine llama.cpp, vLLM
 and SGLang use; an optional dependency: pip install 'dflash-mlx[serve]').
@@ -96,6 +99,13 @@ class GrammarState:
         self.matcher.rollback(consumed)
         rows += [rows[-1]] * (len(proposal) + 1 - len(rows))
         return mx.array(np.stack(rows))
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar allows alone from here (a JSON object's fixed keys,
+        a tool call's name): proposed as a draft, they cost no target pass of their own."""
+        if limit <= 0 or self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens())[:limit]
 
     def commit(self, tokens: list[int]) -> None:
         for token in tokens:

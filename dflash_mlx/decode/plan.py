@@ -111,7 +111,8 @@ class AcceptanceEstimate:
 class Plan:
     """What one cycle does: verify `width` tokens, the last committed one plus width - 1
     proposed by `source` ("dflash": the drafter; "lookup" or "suffix": copied `tokens`, found
-    by a match of `match` tokens, or of that length class); width 1 is a plain decoding step."""
+    by a match of `match` tokens, or of that length class; "grammar": `tokens` a grammar
+    forces); width 1 is a plain decoding step."""
 
     width: int = 1
     source: str = "plain"
@@ -156,6 +157,8 @@ class Row(Protocol):
     copy_widths: dict  # copy kind -> the widest verify its next proposal may have
 
     def matches(self, limit: int) -> list[Match]: ...
+
+    def forced(self, limit: int) -> list[int]: ...
 
 
 @dataclass
@@ -377,6 +380,23 @@ class Planner:
 def span(rows: list[Row]) -> int:
     """The context class of a step over `rows` (a batch attends over its longest row's length)."""
     return context_class(max(row.context_length for row in rows))
+
+
+FORCED_WIDEST = 16  # a verify of tokens a grammar forces: certain, so as wide as one pass sensibly goes
+
+
+def with_forced(rows: list[Row], plans: list[Plan]) -> list[Plan]:
+    """The plans with each row whose grammar forces its next tokens verifying those instead
+    (every one is accepted: the mask leaves nothing else), plus the target's next choice, where
+    they are at least as wide as its plan (a drafter that would run on past a short forced
+    stretch keeps its plan: it proposes those tokens too)."""
+    out = []
+    for row, plan in zip(rows, plans):
+        forced = row.forced(min(FORCED_WIDEST, row.left) - 1)
+        out.append(
+            Plan(len(forced) + 1, "grammar", tuple(forced)) if len(forced) + 1 >= plan.width > 0 and forced else plan
+        )
+    return out
 
 
 def fixed_plan(block: int, left: int) -> Plan:

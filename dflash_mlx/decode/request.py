@@ -1,7 +1,7 @@
 """One request's decoding state: its prompt and sampling, the noise of its output
 positions, the drafter's context of target features, its prompt lookup (and the model's
 session-wide store of earlier answers), its grammar, its
-acceptance estimates and its statistics.  The step (engine.py) reads it and `record`s
+acceptance estimates and its statistics.  The step (decoder.py) reads it and `record`s
 what each cycle committed."""
 
 from dataclasses import dataclass, field
@@ -121,6 +121,10 @@ class Request:
     def noise_at(self, start: int, count: int) -> Optional[mx.array]:
         """(count, vocab) noise of output positions start.. (None when greedy)."""
         return None if self.noise is None else self.noise.at(start, count)
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` next tokens its grammar allows alone (none without a grammar)."""
+        return [] if self.constraint is None else self.constraint.forced(limit)
 
     def masks(self, proposal: list[int]) -> Optional[mx.array]:
         """The grammar's masks after each prefix of `proposal` (None without a grammar)."""

@@ -14,7 +14,7 @@ both kernels sum alike (an AVX2 machine here), within float32 rounding where the
 (an AVX-512 one: ~1e-6).  An untied Embedding's lookups then read strided rows, a few per
 decode step.
 
-Attention's softmax, in C++ (cpu_kernels.py: max, exp, sum and scale in one pass per row, 16
+Attention's softmax, in C++ (kernels/cpu.py: max, exp, sum and scale in one pass per row, 16
 lanes at a time) where that kernel is built, else in MLX ops with the exp in compiled
 multiply-adds: on an x86 CPU, MLX evaluates exp one lane at a time with a library fma per
 polynomial term (~12 ns an element), and its max and sum one element at a time, and a pass's

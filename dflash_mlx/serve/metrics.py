@@ -16,6 +16,7 @@ class Metrics:
         self.draft_cycles = 0
         self.lookup_cycles = 0
         self.suffix_cycles = 0
+        self.grammar_cycles = 0
         self.committed = Counter()  # tokens committed per cycle -> cycles
         self.last_tps = 0.0
         self.prefix_cache_hits = 0
@@ -32,6 +33,7 @@ class Metrics:
             self.draft_cycles += last.sources.count("dflash")
             self.lookup_cycles += last.sources.count("lookup")
             self.suffix_cycles += last.sources.count("suffix")
+            self.grammar_cycles += last.sources.count("grammar")
             for k, n in enumerate(last.acceptance_histogram, start=1):
                 self.committed[k] += n
             self.last_tps = last.generation_tps
@@ -63,12 +65,14 @@ class Metrics:
                 "# TYPE dflash_tau gauge",
                 f"dflash_tau {committed_total / cycles if cycles else 0:.4f}",
                 "# HELP dflash_cycles_total Decode cycles, those the drafter proposed, those the prompt "
-                "lookup proposed and those copied from earlier answers (the rest decoded plainly).",
+                "lookup proposed, those copied from earlier answers and those a grammar forced (the rest "
+                "decoded plainly).",
                 "# TYPE dflash_cycles_total counter",
                 f'dflash_cycles_total{{kind="all"}} {self.cycles}',
                 f'dflash_cycles_total{{kind="draft"}} {self.draft_cycles}',
                 f'dflash_cycles_total{{kind="lookup"}} {self.lookup_cycles}',
                 f'dflash_cycles_total{{kind="suffix"}} {self.suffix_cycles}',
+                f'dflash_cycles_total{{kind="grammar"}} {self.grammar_cycles}',
                 "# HELP dflash_committed_tokens Cycles by tokens committed (histogram, le = tokens).",
                 "# TYPE dflash_committed_tokens histogram",
             ]

@@ -354,7 +354,7 @@ class UnsupportedCache(TypeError):
 def checkpointed(cache: Any):
     """Wrap one mlx-lm layer cache in the rollback protocol that fits it.  An
     ArraysCache is taken for a GatedDeltaNet state; the target checks that its
-    model has a recording mixer for each (target.py)."""
+    model has a recording mixer for each (wrapper.py)."""
     if isinstance(cache, RotatingKVCache):
         return RotatingKV(cache)
     if type(cache) is KVCache:  # subclasses (quantized, chunked) store and trim differently
