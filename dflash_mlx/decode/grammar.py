@@ -34,6 +34,11 @@ def _llguidance():
     return llguidance
 
 
+# JSON on one line, as json.dumps and chat templates write it: a model that would rather write
+# whitespace than a value cannot write it for ever
+ONE_LINE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
 @lru_cache(maxsize=4)
 def _ll_tokenizer(hf_tokenizer, eos: tuple):
     return _llguidance().hf.from_tokenizer(hf_tokenizer, eos_token=list(eos))  # ~1 s: once per tokenizer
@@ -54,11 +59,14 @@ class Grammar:
             raise ValueError(f"the grammar is not valid: {'; '.join(messages)}")
 
     @classmethod
-    def json(cls, tokenizer, vocab_size: int, schema: Optional[dict] = None) -> "Grammar":
-        """JSON that validates against `schema` (any JSON object when None)."""
+    def json(cls, tokenizer, vocab_size: int, schema: Optional[dict] = None, one_line: bool = False) -> "Grammar":
+        """JSON that validates against `schema` (any JSON object when None); `one_line`: laid out
+        as json.dumps writes it (the server's structured output), else with any whitespace."""
         schema = {"type": "object"} if schema is None else schema
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object")
+        if one_line:  # unless the schema lays itself out
+            schema = {"x-guidance": ONE_LINE, **schema}
         grammar = _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema))
         return cls(tokenizer, grammar, vocab_size)
 

@@ -6,19 +6,27 @@ them, so the default is this server's default everywhere: greedy (temperature 0)
 the most reproducible and the fastest with DFlash.  temperature / top_p / top_k
 are honoured when sent; `seed` and `block_size` can be sent through `extra_body`.
 Thinking blocks of earlier assistant turns are dropped (the Anthropic API does the
-same with prior turns); everything else a request carries is used or refused by
-name with an Anthropic-style error.
+same with prior turns); `thinking` is taken, and a model without a thinking mode
+answers without thinking blocks, as the reference allows.  A last assistant turn is
+continued (prefill).  Claude Code is served as it calls: its billing-header system
+block is dropped, its cache_control marks are taken (every prefix is cached anyway),
+its system-role messages are rendered in place.  Everything else a request carries is
+used, reported as ignored, or refused by name with an Anthropic-style error.
 """
 
 import json
 import numbers
 import time
 import uuid
+from typing import Optional
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from ..decode.grammar import Grammar
+from .forced_tools import anthropic_tool_choice, choose_tools
+from .openai_api import format_grammar  # what a JSON format asks for, laid out as in every API
 from .protocol import (
     RequestError,
     answer_message,
@@ -32,7 +40,12 @@ from .protocol import (
     unknown_fields,
 )
 from .tools import with_tool_calls
-from .validation import check_anthropic_ranges, check_anthropic_tool_results
+from .validation import (
+    check_anthropic_prefill,
+    check_anthropic_ranges,
+    check_anthropic_thinking,
+    check_anthropic_tool_results,
+)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -60,10 +73,17 @@ FIELDS = {
     "metadata",
     "service_tier",
     "thinking",
+    "cache_control",  # the whole request's cache mark: every prefix is cached here anyway
+    "output_config",  # its format is honoured, its other fields reported ignored (_output_config)
     "seed",
     "block_size",
 }
+REFUSED = {
+    "mcp_servers": "this server connects to no MCP servers; connect them in the client (Claude Code: /mcp)",
+    "container": "this server runs no code-execution containers",
+}
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _blocks(content, where: str) -> list[dict]:
@@ -77,19 +97,39 @@ def _blocks(content, where: str) -> list[dict]:
     return content
 
 
+def _without_billing_header(blocks: list[dict]) -> list[dict]:
+    """System blocks without Claude Code's billing header (its first block reads
+    `x-anthropic-billing-header: cc_version=...; cc_entrypoint=cli; cch=<hash>;`): the hash
+    changes with every request, so a prefix cache would match nothing after it.  It tells the
+    model nothing (llama.cpp's server drops it too); text after its line stays."""
+    kept = []
+    for block in blocks:
+        text = block.get("text")
+        if isinstance(text, str) and text.startswith(BILLING_HEADER):
+            block = {**block, "text": text.partition("\n")[2]}
+            if not block["text"]:
+                continue
+        kept.append(block)
+    return kept
+
+
 def conversation(body: dict) -> tuple[list[dict], list[dict]]:
     """The request as OpenAI chat messages and function tools (protocol.py's shape)."""
     messages = []
-    system = body.get("system")
-    if system is not None:
-        messages.append({"role": "system", "content": text_of(_blocks(system, "system"), "system")})
+    system = _without_billing_header(_blocks(body["system"], "system")) if body.get("system") is not None else []
+    if system:
+        messages.append({"role": "system", "content": text_of(system, "system")})
     turns = body.get("messages")
     if not isinstance(turns, list) or not turns:
         raise RequestError("messages must be a non-empty list")
     for i, turn in enumerate(turns):
         role = turn.get("role") if isinstance(turn, dict) else None
-        if role not in ("user", "assistant"):
-            raise RequestError(f"messages[{i}].role must be user or assistant, got {role!r}")
+        if role not in ("user", "assistant", "system"):
+            raise RequestError(f"messages[{i}].role must be user, assistant or system, got {role!r}")
+        if role == "system":  # an instruction mid-conversation (Claude Code sends hooks' context so)
+            where = f"messages[{i}].content"
+            messages.append({"role": "system", "content": text_of(_blocks(turn.get("content"), where), where)})
+            continue
         text, calls, results = [], [], []
         for j, block in enumerate(_blocks(turn.get("content"), f"messages[{i}].content")):
             kind, where = block["type"], f"messages[{i}].content[{j}]"
@@ -128,6 +168,8 @@ def conversation(body: dict) -> tuple[list[dict], list[dict]]:
             if calls:
                 message["tool_calls"] = calls
             messages.append(message)
+    if messages[-1] == {"role": "assistant", "content": ""}:
+        messages.pop()  # an empty last assistant turn (the reference allows one) prefills nothing
     tools = []
     for k, tool in enumerate(body.get("tools") or []):
         if not isinstance(tool, dict) or tool.get("type") not in (None, "custom") or "name" not in tool:
@@ -145,12 +187,18 @@ def conversation(body: dict) -> tuple[list[dict], list[dict]]:
                 },
             }
         )
-    choice = (body.get("tool_choice") or {}).get("type", "auto")
-    if choice == "none":
-        tools = []
-    elif choice != "auto":
-        raise RequestError(f"tool_choice {choice!r}: forcing a tool call is not supported here (auto or none)")
-    return messages, check_tools(tools)
+    mode, _ = anthropic_tool_choice(body.get("tool_choice"))  # a forced call: AnthropicAPI.messages
+    return messages, [] if mode == "none" else check_tools(tools)
+
+
+def _prefill(messages: list[dict]) -> Optional[str]:
+    """The partial answer a request ends with, which the reply continues (the reference's
+    prefill): the text of a last assistant turn without tool calls; None for a new turn."""
+    last = messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls"):
+        return None
+    check_anthropic_prefill(last["content"])
+    return last["content"]
 
 
 class AnthropicAPI:
@@ -163,16 +211,22 @@ class AnthropicAPI:
         return JSONResponse({"type": "error", "error": {"type": kind, "message": str(e)}}, e.status)
 
     def _prompt(self, body: dict):
-        if body.get("thinking") and body["thinking"].get("type") == "enabled":
-            raise RequestError("thinking: the served model has no extended thinking mode; remove it")
+        """The request's prompt tokens, its messages and tools, and the partial answer it ends
+        with (None: a new turn)."""
+        for name, reason in REFUSED.items():
+            if body.get(name) is not None:
+                raise RequestError(f"{name}: {reason}; remove it")
+        check_anthropic_thinking(body.get("thinking"))
         messages, tools = conversation(body)
         check_anthropic_tool_results(body["messages"])
-        return prompt_tokens(self.server.tokenizer, messages, tools), messages, tools
+        prefill = _prefill(messages)
+        tokens = prompt_tokens(self.server.tokenizer, messages, tools, continued=prefill is not None)
+        return tokens, messages, tools, prefill
 
     async def count_tokens(self, request: Request):
         try:
             body = await self.server.body(request)
-            prompt, _, _ = self._prompt(body)
+            prompt, *_ = self._prompt(body)
         except RequestError as e:
             return self.error(e)
         return JSONResponse({"input_tokens": len(prompt)})
@@ -180,19 +234,21 @@ class AnthropicAPI:
     async def messages(self, request: Request):
         try:
             body = await self.server.body(request)
-            prompt, messages, tools = self._prompt(body)
+            prompt, messages, tools, prefill = self._prompt(body)
             max_tokens = self.server.max_tokens(body, ("max_tokens",), None)
             check_anthropic_ranges(body)
-            options = sampling(body, {"stop": "stop_sequences"})
+            grammar, ignored_output = self._output_config(body.get("output_config"))
+            _, forced = choose_tools(self.server, tools, *anthropic_tool_choice(body.get("tool_choice")))
+            options = {**sampling(body, {"stop": "stop_sequences"}), "grammar": forced or grammar}
             number(body, "top_k", 0, numbers.Integral, low=0)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError("stream must be true or false")
-            ignored = unknown_fields(body, FIELDS)
+            ignored = unknown_fields(body, FIELDS) + ignored_output
             job, first = await self.server.start(prompt, max_tokens, options)
         except RequestError as e:
             return self.error(e)
-        message = _Message(self.server, messages, tools, ignored)
+        message = _Message(self.server, messages, tools, ignored, prefill)
         headers = {"x-dflash-ignored-fields": ", ".join(ignored)} if ignored else {}
         follow = BackgroundTask(message.prefill_next_turn)
         if stream:
@@ -200,6 +256,17 @@ class AnthropicAPI:
                 message.stream(job, first), media_type="text/event-stream", headers=headers, background=follow
             )
         return await self.server.while_connected(request, self._whole(message, job, first, headers, follow))
+
+    def _output_config(self, config) -> tuple[Optional[Grammar], list[str]]:
+        """output_config: its `format` (a JSON schema) as the grammar the answer follows, and
+        its other fields (`effort`), reported ignored: the served model has one effort."""
+        if config is None:
+            return None, []
+        if not isinstance(config, dict):
+            raise RequestError("output_config: Input should be an object")
+        ignored = [f"output_config.{name}" for name in config if name != "format"]
+        grammar = format_grammar(self.server, config.get("format"), "output_config.format", lambda f: f.get("schema"))
+        return grammar, ignored
 
     async def _whole(self, message: "_Message", job, first, headers: dict, follow: BackgroundTask) -> JSONResponse:
         try:
@@ -210,27 +277,34 @@ class AnthropicAPI:
         return JSONResponse(message.snapshot(), headers=headers, background=follow)
 
 
+def input_usage(response) -> dict:
+    """A request's input tokens as the reference's usage splits them, their total the sum of the
+    three: those restored from the prefix cache (cache_read_input_tokens), and those prefilled
+    (input_tokens).  None are reported written (cache_creation_input_tokens): the server keeps
+    what it prefills when the cache has room, with no breakpoints, lifetimes or price to report."""
+    return {
+        "input_tokens": response.prompt_tokens - response.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": response.cached_tokens,
+    }
+
+
 class _Message:
     """One assistant message built from the engine's events: the final object, or the event
     stream (message_start, content_block_start / delta / stop, ping, message_delta, message_stop)."""
 
-    def __init__(self, server, messages: list[dict], tools: list, ignored: list[str]):
+    def __init__(self, server, messages: list[dict], tools: list, ignored: list[str], prefill: Optional[str]):
         self.server, self.messages, self.tools, self.ignored = server, messages, tools, ignored
+        self.prefill = prefill  # the partial answer continued (the last of `messages`), if any
         self.id = "msg_" + uuid.uuid4().hex
-        self.text, self.calls, self.last, self.prompt_tokens = "", [], None, 0
+        self.text, self.calls, self.last = "", [], None
 
     def _usage(self) -> dict:
-        last = self.last
-        usage = {
-            "input_tokens": last.prompt_tokens if last else self.prompt_tokens,
-            "output_tokens": last.generation_tokens if last else 0,
-            "cache_read_input_tokens": last.cached_tokens if last else 0,
-            "cache_creation_input_tokens": 0,
-        }
-        if last is not None:
-            usage["dflash"] = decoding_stats(last)
-            if self.ignored:
-                usage["dflash"]["ignored_fields"] = self.ignored
+        """The usage of the answer so far (its engine response `last`), with how it was decoded."""
+        usage = {**input_usage(self.last), "output_tokens": self.last.generation_tokens}
+        usage["dflash"] = decoding_stats(self.last)
+        if self.ignored:
+            usage["dflash"]["ignored_fields"] = self.ignored
         return usage
 
     def _stop(self) -> tuple[str, object]:
@@ -270,18 +344,25 @@ class _Message:
 
     async def run(self, job, first):
         """Consume the engine's events; yields the text shown at each."""
-        self.prompt_tokens = first.prompt_tokens
+        # a continued answer's text so far is not what the client sends back: only whole ones are followed
+        chat = (self.messages, self.tools) if self.prefill is None else None
         async for self.last, shown, self.calls in with_tool_calls(
-            self.server.events(job, first, (self.messages, self.tools)), self.server.tokenizer, self.tools
+            self.server.events(job, first, chat), self.server.tokenizer, self.tools
         ):
             self.text += shown
             yield shown
 
     def prefill_next_turn(self) -> None:
         """Once the answer is out (a background task of its response): its next turn prefilled
-        while the client acts on it (Server.prefill_next_turn)."""
-        if self.last is not None and self.last.finish_reason:
-            self.server.prefill_next_turn(self.messages + [answer_message(self.text, self.calls)], self.tools)
+        while the client acts on it (Server.prefill_next_turn).  A continued answer goes back
+        as one assistant turn, the partial answer and its continuation."""
+        if self.last is None or not self.last.finish_reason:
+            return
+        if self.prefill is None:
+            answered = self.messages + [answer_message(self.text, self.calls)]
+        else:
+            answered = self.messages[:-1] + [answer_message(self.prefill + self.text, self.calls)]
+        self.server.prefill_next_turn(answered, self.tools)
 
     @staticmethod
     def _event(kind: str, **fields) -> str:
@@ -297,12 +378,7 @@ class _Message:
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": {
-                    "input_tokens": first.prompt_tokens,
-                    "output_tokens": 0,
-                    "cache_read_input_tokens": first.cached_tokens,
-                    "cache_creation_input_tokens": 0,
-                },
+                "usage": {**input_usage(first), "output_tokens": 0},
             }
             yield self._event("message_start", message=start)
             yield self._event("ping")

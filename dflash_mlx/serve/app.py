@@ -18,6 +18,7 @@ import numbers
 import queue
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Optional
 
@@ -26,15 +27,13 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from ..api import context_limit
 from ..cache.prompt_cache import PromptCache, default_bytes, machine_memory
 from .access_log import CLIENT_CLOSED, AccessLog, record_generation
 from .anthropic_api import AnthropicAPI
-from .guard import Guard
+from .guard import BrowserAccess, Guard
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
 from .protocol import RequestError, answer_message, generation_failure, next_turn_tokens, number
@@ -46,6 +45,10 @@ MAX_BATCH_TOKENS = 32768  # 8 rows of 4k tokens; a longer request runs alone
 ANSWER_FOLLOW_EVERY = 128  # answer tokens between looks at how its text so far reads back
 ANSWER_TAIL = 16  # an answer's last tokens (and the turn's closing ones) may read back otherwise once more follows
 EVENT_WAIT = 1.0  # seconds between looks at whether the engine thread is still there, while a job waits
+PREFLIGHT_HINT = (  # an OPTIONS that reaches a route is not a preflight BrowserAccess answers
+    " (CORS preflights are answered for pages on localhost and those allowed with --cors-origin <origin>;"
+    " a preflight carries the page's Origin and Access-Control-Request-Method)"
+)
 
 log = logging.getLogger("dflash_mlx.serve")
 
@@ -91,16 +94,14 @@ class Server:
             on_finish=self.metrics.finished,
         )
         self.draining = False  # stopping: new requests get 503
+        self.started = int(time.time())  # the served model's creation time, as the models endpoints give it
         self.openai, self.responses, self.anthropic = OpenAIAPI(self), ResponsesAPI(self), AnthropicAPI(self)
         access = options.access or {}
-        self.app = AccessLog(Guard(self._routes(access.get("cors_origins", ())), self._refused_early, **access))
+        guard = Guard(self._routes(), self._refused_early, **access)
+        self.app = AccessLog(BrowserAccess(guard, guard.origin_allowed, access.get("cors_origins", ())))
 
-    def _routes(self, cors_origins) -> Starlette:
-        """The endpoints; `cors_origins`: the origins whose browsers' preflights are answered."""
-        origins = list(cors_origins)
-        cors = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])]
+    def _routes(self) -> Starlette:
         return Starlette(
-            middleware=cors if origins else [],
             routes=[
                 Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
                 Route("/v1/completions", self.openai.completions, methods=["POST"]),
@@ -108,6 +109,7 @@ class Server:
                 Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
                 Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
             ],
@@ -138,36 +140,24 @@ class Server:
             404: f"no route {request.url.path}; see GET /v1/models and docs/serving.md",
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(exc.status_code, exc.detail)
+        if exc.status_code == 405 and request.method == "OPTIONS":
+            message += PREFLIGHT_HINT
         return self._refused_early(request.url.path, RequestError(message, exc.status_code))
 
     # ------------------------------------------------------------ plain endpoints
 
     async def models(self, request: Request) -> JSONResponse:
-        draft = self.model.draft
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_id,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "dflash-mlx",
-                        "dflash": {
-                            "drafter": draft is not None,
-                            "block_size": draft.block_size if draft else 1,
-                            "adaptive_width": self.model.planner is not None,
-                            "batching": self.max_batch > 1,
-                            "max_batch": self.max_batch,
-                            "max_batch_tokens": self.max_batch_tokens if self.max_batch > 1 else None,
-                            "prefix_cache": self.prompt_cache is not None,
-                            "prefix_cache_bytes": self.prompt_cache.max_bytes if self.prompt_cache else 0,
-                            "pipeline_ranks": getattr(self.model.target, "size", 1),
-                        },
-                    }
-                ],
-            }
-        )
+        """The served model, the list's one entry, in the shape the asking client parses."""
+        anthropic_shape = _from_anthropic_client(request)
+        entry = model_entry(self, anthropic_shape)
+        if anthropic_shape:
+            return JSONResponse({"data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]})
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def model_info(self, request: Request) -> JSONResponse:
+        """GET /v1/models/{id}: any id is the served model, as any model name in a request is
+        (Anthropic's API resolves an alias to the model it names the same way)."""
+        return JSONResponse(model_entry(self, _from_anthropic_client(request)))
 
     async def health(self, request: Request) -> JSONResponse:
         status = "draining" if self.draining else "ok" if self.worker.alive else "unavailable"
@@ -205,21 +195,37 @@ class Server:
         return body
 
     def max_tokens(self, body: dict, names: tuple[str, ...], default: Optional[int]) -> int:
-        """The first of `names` the body sets (else `default`; required when None), between 1
-        and the target's context."""
+        """The first of `names` the body sets (else `default`; required when None), at least 1;
+        `start` cuts it to what the context leaves after the prompt."""
         name = next((n for n in names if body.get(n) is not None), None)
         if name is None:
             if default is None:
                 raise RequestError(f"{names[0]}: field required", param=names[0])
             return default
-        return number(body, name, None, numbers.Integral, low=1, high=self.context or 1 << 30)
+        return number(body, name, None, numbers.Integral, low=1)
+
+    def fit_to_context(self, prompt: list[int], max_tokens: int) -> int:
+        """`max_tokens` cut to the room the context leaves after the prompt: clients ask for as
+        much as a hosted model writes (Claude Code asks 32000 of every turn), more than a local
+        model's context may hold; the answer then ends at the context's end, as at max_tokens.
+        A prompt that leaves no room is refused in the Anthropic API's words, which Claude Code
+        reads to compact the conversation."""
+        if not self.context:
+            return max_tokens
+        if len(prompt) >= self.context:
+            raise RequestError(
+                f"prompt is too long: {len(prompt)} tokens > {self.context - 1} maximum "
+                f"(the model's context is {self.context} tokens, the answer needs one)",
+                code="context_length_exceeded",
+            )
+        return min(max_tokens, self.context - len(prompt))
 
     async def start(self, prompt: list[int], max_tokens: int, options: dict) -> tuple[Job, Any]:
         """Queue a generation; its first response.  A request the engine refuses before any
         token (too long for the context, say) raises RequestError: a 4xx, not a broken stream."""
         if self.draining:
             raise RequestError(str(Draining()), 503)
-        job = Job(prompt, max_tokens, options)
+        job = Job(prompt, self.fit_to_context(prompt, max_tokens), options)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -329,6 +335,47 @@ class Server:
         failure = generation_failure(error)
         self.refused(failure)
         return failure
+
+
+def model_entry(server: Server, anthropic_shape: bool) -> dict:
+    """The served model as Anthropic's models API describes one (to its SDK, which sends
+    anthropic-version) or OpenAI's, with what it is and does here (`dflash`)."""
+    draft = server.model.draft
+    facts = {
+        "drafter": draft is not None,
+        "block_size": draft.block_size if draft else 1,
+        "adaptive_width": server.model.planner is not None,
+        "batching": server.max_batch > 1,
+        "max_batch": server.max_batch,
+        "max_batch_tokens": server.max_batch_tokens if server.max_batch > 1 else None,
+        "prefix_cache": server.prompt_cache is not None,
+        "prefix_cache_bytes": server.prompt_cache.max_bytes if server.prompt_cache else 0,
+        "pipeline_ranks": getattr(server.model.target, "size", 1),
+    }
+    if not anthropic_shape:
+        return {
+            "id": server.model_id,
+            "object": "model",
+            "created": server.started,
+            "owned_by": "dflash-mlx",
+            "dflash": facts,
+        }
+    created = datetime.fromtimestamp(server.started, timezone.utc).isoformat().replace("+00:00", "Z")
+    context = {"max_input_tokens": server.context, "max_tokens": server.context} if server.context else {}
+    return {
+        "type": "model",
+        "id": server.model_id,
+        "display_name": server.model_id,
+        "created_at": created,
+        "lifecycle": "active",
+        **context,
+        "dflash": facts,
+    }
+
+
+def _from_anthropic_client(request: Request) -> bool:
+    """Whether an Anthropic client asks (its SDK, and Claude Code, send anthropic-version)."""
+    return "anthropic-version" in request.headers
 
 
 def make_app(model, tokenizer, model_id: str, **options) -> Server:

@@ -4,7 +4,9 @@ Host     a loopback name or address, the address the server binds, or one allowe
          --allow-host: a page that rebinds its own name to 127.0.0.1 (DNS rebinding) sends
          its own name as the Host, and is refused
 Origin   a browser's request from a page not on loopback (nor allowed with --cors-origin)
-         is refused: any web page the user opens can send requests to 127.0.0.1
+         is refused: any web page the user opens can send requests to 127.0.0.1.  Pages that
+         are let through get CORS answers (BrowserAccess): a page on http://localhost:3000
+         calls the server with no flag
 API key  with --api-key, every route but /health needs `Authorization: Bearer KEY` (OpenAI
          clients) or `x-api-key: KEY` (Anthropic clients), compared in constant time
 """
@@ -15,6 +17,7 @@ from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 
 from .protocol import RequestError
 
@@ -75,8 +78,8 @@ class Guard:
         origin = headers.get("origin")
         if origin is not None and not self.origin_allowed(origin):
             return RequestError(
-                f"requests from the web page at {origin} are not allowed; start the server with "
-                f"--cors-origin {origin} to allow them",
+                f"requests from the web page at {origin} are not allowed (pages on localhost are); "
+                f"start the server with --cors-origin {origin} to allow them",
                 403,
                 code="origin_not_allowed",
             )
@@ -99,3 +102,30 @@ class Guard:
         bearer = headers.get("authorization", "")
         given = bearer[7:].strip() if bearer[:7].lower() == "bearer " else headers.get("x-api-key", "")
         return hmac.compare_digest(given.encode(), self.api_key.encode())
+
+
+class BrowserAccess(CORSMiddleware):
+    """CORS answers (preflights, Access-Control-Allow-Origin) for the pages `origin_allowed`
+    lets through: loopback pages and the --cors-origin ones, with the Guard's own rule.  It
+    sits in front of the Guard, so its refusals (a missing API key, say) reach such a page
+    readable; a request from any other page goes on to the Guard, whose refusal names the flag."""
+
+    def __init__(self, app, origin_allowed: Callable[[str], bool], cors_origins: tuple = ()):
+        super().__init__(
+            app,
+            allow_origins=list(cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_private_network=True,  # Chrome asks before a public page it was allowed reaches a local server
+            expose_headers=["x-dflash-ignored-fields"],
+        )
+        self.origin_allowed = origin_allowed
+
+    def is_allowed_origin(self, origin: str) -> bool:
+        return self.origin_allowed(origin)
+
+    async def __call__(self, scope, receive, send):
+        origin = Headers(scope=scope).get("origin") if scope["type"] == "http" else None
+        if origin is not None and not self.origin_allowed(origin):
+            return await self.app(scope, receive, send)
+        await super().__call__(scope, receive, send)

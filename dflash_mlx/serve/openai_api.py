@@ -3,8 +3,9 @@ share with its Responses API (responses_api.py): OpenAIEndpoints and the checks 
 
 Errors are OpenAI's ({"error": {"message", "type", "param", "code"}}).  Structured
 output (response_format / text.format json_object or json_schema) masks the target's
-choices with a grammar (grammar.py).  Fields that would change the output and are
-not implemented (penalties, logit_bias, forced tool choice, echo, suffix) are refused by name; fields
+choices with a grammar (grammar.py), and so does a tool_choice that forces a call
+(forced_tools.py).  Fields that would change the output and are not implemented
+(penalties, logit_bias, echo, suffix) are refused by name; fields
 this API does not know are listed in `usage.dflash.ignored_fields` and the
 `x-dflash-ignored-fields` header.  `n` choices are decoded one after another
 (choice i of a seeded request uses seed + i); `logprobs` are the target's own.
@@ -21,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..decode.grammar import Grammar
+from .forced_tools import choose_tools, openai_tool_choice
 from .protocol import (
     RequestError,
     answer_message,
@@ -67,20 +69,6 @@ COMPLETION_FIELDS = (
 MAX_CHOICES = 8
 
 
-def offered_tools(tools: list, tool_choice) -> list:
-    """The tools the model is offered, given tool_choice ("auto" or "none"; forcing a call would
-    need constrained decoding, which this server does not do)."""
-    if tool_choice in (None, "auto"):
-        return tools
-    if tool_choice == "none":
-        return []
-    raise RequestError(
-        'tool_choice can be "auto" or "none" here (forcing a call is not supported)',
-        param="tool_choice",
-        code="unsupported_parameter",
-    )
-
-
 def format_grammar(server, value, name: str, schema_of) -> Optional[Grammar]:
     """The grammar a response format asks for: None for text, JSON (any object, or a schema)."""
     kind = value.get("type") if isinstance(value, dict) else value
@@ -88,13 +76,13 @@ def format_grammar(server, value, name: str, schema_of) -> Optional[Grammar]:
         return None
     if kind not in ("json_object", "json_schema"):
         raise RequestError(f"{name} type {kind!r} is not one of text, json_object, json_schema", param=name)
-    schema = None
+    schema = {"type": "object"}
     if kind == "json_schema":
         schema = schema_of(value)
         if not isinstance(schema, dict):
             raise RequestError(f"{name}: json_schema needs a schema object", param=name)
     try:
-        return Grammar.json(server.tokenizer, server.model.target.vocab_size, schema)
+        return Grammar.json(server.tokenizer, server.model.target.vocab_size, schema, one_line=True)
     except (ValueError, RuntimeError) as e:
         raise RequestError(f"{name}: {e}", param=name) from None
 
@@ -198,7 +186,10 @@ class OpenAIAPI(OpenAIEndpoints):
                 message["tool_call_id"] = m["tool_call_id"]
             normalised.append(message)
         check_openai_tool_messages(normalised)
-        tools = offered_tools(check_tools(body.get("tools")), body.get("tool_choice"))
+        tools, forced = choose_tools(
+            self.server, check_tools(body.get("tools")), *openai_tool_choice(body.get("tool_choice"))
+        )
+        grammar = forced or grammar  # a forced call's grammar admits no text for a format to shape
         logprobs = None
         if body.get("logprobs"):
             logprobs = number(body, "top_logprobs", 0, numbers.Integral, 0, 20)

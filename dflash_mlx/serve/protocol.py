@@ -45,7 +45,10 @@ def number(body: dict, name: str, default, kind=numbers.Real, low=None, high=Non
     if isinstance(value, bool) or not isinstance(value, kind):
         raise RequestError(f"{name} must be {'an integer' if kind is numbers.Integral else 'a number'}", param=name)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise RequestError(f"{name} must be between {low} and {high}, got {value}", param=name)
+        bounds = (
+            f"at least {low}" if high is None else f"at most {high}" if low is None else f"between {low} and {high}"
+        )
+        raise RequestError(f"{name} must be {bounds}, got {value}", param=name)
     return value
 
 
@@ -131,11 +134,21 @@ def check_tools(tools, where: str = "tools") -> list[dict]:
     return tools
 
 
-def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def prompt_tokens(
+    tokenizer, messages: list[dict], tools: list[dict], add_generation_prompt: bool = True, continued: bool = False
+) -> list[int]:
     """The conversation through the target's chat template.  A template that does not render
     tools (SmolLM2's, for one) gets them described in the system turn, with the
     <tool_call>{json}</tool_call> convention tools.ToolCalls then parses; its tool turns are
-    rendered as text the same way."""
+    rendered as text the same way.  `continued`: the last message is an assistant's partial
+    answer, rendered as the template writes an assistant turn but left open (no end of turn
+    after its text), so the model continues it.
+
+    System messages after the first (Claude Code sends hooks' context so, OpenAI clients a late
+    developer message) are rendered in place, as system turns where the template takes them
+    there, else as user turns (Qwen3.5's refuses them: "System message must be at the
+    beginning"); merged into the first, they would change the prompt's start, and every turn
+    would miss the prefix cache."""
     for i, message in enumerate(messages):
         if message.get("role") not in ROLES:
             raise RequestError(
@@ -145,19 +158,34 @@ def prompt_tokens(tokenizer, messages: list[dict], tools: list[dict], add_genera
     if not tokenizer.has_chat_template:
         text = "\n".join(m.get("content") or "" for m in messages)
         return tokenizer.encode(text)
+
+    def render(conversation: list[dict]) -> str:
+        return _chat_text(tokenizer, conversation, tools, add_generation_prompt and not continued, continued)
+
+    try:
+        text = render(messages)
+    except RequestError:
+        in_user_turns = [{**m, "role": "user"} if i and m["role"] == "system" else m for i, m in enumerate(messages)]
+        if in_user_turns == messages:
+            raise
+        text = render(in_user_turns)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _chat_text(tokenizer, messages: list[dict], tools: list[dict], add_generation_prompt: bool, continued: bool) -> str:
     native_tools = bool(tools) and "tools" in (tokenizer.chat_template or "")
     if tools and not native_tools:
         messages = _with_tool_text(messages, tools)
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages,
             tools=tools if native_tools else None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continued,
         )
     except Exception as e:  # the template's own checks (roles, order)
         raise RequestError(f"the chat template refused these messages ({e})", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def answer_message(text: str, calls: list) -> dict:
@@ -208,6 +236,7 @@ def decoding_stats(last) -> dict:
         "draft_cycles": last.sources.count("dflash"),
         "lookup_cycles": last.sources.count("lookup"),
         "suffix_cycles": last.sources.count("suffix"),
+        "grammar_cycles": last.sources.count("grammar"),
         "plain_cycles": last.sources.count("plain"),
         "block_size": last.block_size,
         "generation_tps": round(last.generation_tps, 2),

@@ -8,9 +8,34 @@ mlx-lm's json_tools parser."""
 
 import json
 import uuid
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from mlx_lm.tool_parsers import json_tools
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a tokenizer's model writes a tool call: between `start` and `end`, read by `parse`;
+    `format` names mlx-lm's parser module ("json_tools" for the fallback convention) and
+    `native` says whether the chat template taught it (else fallback_tool_prompt does)."""
+
+    start: str
+    end: str
+    parse: Callable
+    format: str
+    native: bool
+
+
+def call_syntax(tokenizer) -> CallSyntax:
+    """The tool-call syntax ToolCalls parses for `tokenizer` (and forced_tools' grammars write)."""
+    if getattr(tokenizer, "has_tool_calling", False):
+        parse = tokenizer.tool_parser
+        name = parse.__module__.rsplit(".", 1)[-1]
+        return CallSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, name, True)
+    return CallSyntax(
+        json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, "json_tools", False
+    )
 
 
 def fallback_tool_prompt(tools: list[dict]) -> str:
@@ -49,11 +74,10 @@ class ToolCalls:
 
     def __init__(self, tokenizer, tools: Optional[list]):
         self.enabled = bool(tools)
-        native = self.enabled and getattr(tokenizer, "has_tool_calling", False)
-        source = tokenizer if native else json_tools
-        self.start = source.tool_call_start if self.enabled else None
-        self.end = source.tool_call_end if self.enabled else None
-        self.parse = (tokenizer.tool_parser if native else json_tools.parse_tool_call) if self.enabled else None
+        syntax = call_syntax(tokenizer) if self.enabled else None
+        self.start = syntax.start if syntax else None
+        self.end = syntax.end if syntax else None
+        self.parse = syntax.parse if syntax else None
         self.tools = tools
         self.text = ""
         self.shown = 0

@@ -86,6 +86,29 @@ def check_anthropic_tool_results(turns: list[dict]) -> None:
             )
 
 
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+
+
+def check_anthropic_thinking(thinking) -> None:
+    """`thinking` as the reference takes it: a type it knows, and with "enabled" a budget of at
+    least 1024 tokens.  (Its rule that the budget stay below max_tokens is left out: with the
+    interleaved-thinking beta Claude Code sends, the reference lifts it.)"""
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in THINKING_TYPES:
+        raise RequestError(f"thinking.type: Input should be {', '.join(map(repr, THINKING_TYPES))}")
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1024):
+        raise RequestError("thinking.enabled.budget_tokens: Input should be greater than or equal to 1024")
+
+
+def check_anthropic_prefill(prefill: str) -> None:
+    """A partial assistant answer to continue (the request's last turn) ends in no whitespace."""
+    if prefill != prefill.rstrip():
+        raise RequestError("messages: final assistant content cannot end with trailing whitespace")
+
+
 # ---------------------------------------------------------------- OpenAI chat and Responses
 
 
