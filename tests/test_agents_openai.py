@@ -219,7 +219,11 @@ def test_chat_tool_choice_forces_a_valid_call(live, tool_choice, among, stream):
     request = dict(model="tiny", messages=[USER], tools=CHAT_TOOLS, tool_choice=tool_choice, max_tokens=120)
     if stream:
         chunks = list(live.openai.chat.completions.create(**request, stream=True))
-        (call,) = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+        deltas = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+        # a call streams as a client assembles it: its name first, then pieces of its arguments
+        assert {c.index for c in deltas} == {0} and deltas[0].function.name
+        arguments = "".join(c.function.arguments or "" for c in deltas)
+        call = SimpleNamespace(function=SimpleNamespace(name=deltas[0].function.name, arguments=arguments))
         finish = chunks[-1].choices[0].finish_reason
     else:
         reply = live.openai.chat.completions.create(**request)

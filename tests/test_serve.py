@@ -248,7 +248,7 @@ class QwenStyleTokenizer:
 
 
 def test_tool_calls_are_parsed_out_of_streamed_text():
-    from dflash_mlx.serve.tools import ToolCalls
+    from dflash_mlx.serve.answer import ToolCalls
 
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
     text = 'Let me check.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -261,9 +261,9 @@ def test_tool_calls_are_parsed_out_of_streamed_text():
         assert json.loads(parsed[0]["function"]["arguments"]) == {"city": "Paris"}
     plain = ToolCalls(QwenStyleTokenizer(), None)  # no tools asked for: text passes through
     assert plain.push(text) == text and plain.finish() == ("", [])
-    broken = ToolCalls(QwenStyleTokenizer(), tools)
-    broken.push("<tool_call>not json</tool_call>")
-    assert broken.finish() == ("<tool_call>not json</tool_call>", [])
+    broken = ToolCalls(QwenStyleTokenizer(), tools)  # shown as text once its end shows it is no call
+    shown = broken.push("<tool_call>not json</tool_call>")
+    assert (shown, *broken.finish()) == ("<tool_call>not json</tool_call>", "", [])
 
 
 def test_a_follow_up_turn_reuses_the_prefix_and_stays_exact(served):

@@ -5,9 +5,14 @@ Sampling: the `anthropic` SDK sends no sampling fields unless the caller sets
 them, so the default is this server's default everywhere: greedy (temperature 0),
 the most reproducible and the fastest with DFlash.  temperature / top_p / top_k
 are honoured when sent; `seed` and `block_size` can be sent through `extra_body`.
-Thinking blocks of earlier assistant turns are dropped (the Anthropic API does the
-same with prior turns); `thinking` is taken, and a model without a thinking mode
-answers without thinking blocks, as the reference allows.  A last assistant turn is
+`thinking` switches a thinking model's thinking where its template does ("enabled",
+"adaptive": on; "disabled": off; absent: the model's default); its reasoning comes as
+thinking blocks (thinking_delta, then a signature_delta, an opaque constant, before the
+block's stop), then text and tool_use blocks, a tool_use block's input streamed
+(input_json_delta) once its name is known.  A model without a thinking mode answers
+without thinking blocks, as the reference allows.  Thinking blocks sent back go to the
+template as the turn's reasoning (which renders it where the model reads it, as after a
+tool call in Qwen3's); redacted ones are dropped.  A last assistant turn is
 continued (prefill).  Claude Code is served as it calls: its billing-header system
 block is dropped, its cache_control marks are taken (every prefix is cached anyway),
 its system-role messages are rendered in place.  Everything else a request carries is
@@ -25,21 +30,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..decode.grammar import Grammar
+from .answer import AnswerParser, Block, Blocks, answer_events
 from .forced_tools import anthropic_tool_choice, choose_tools
 from .openai_api import format_grammar  # what a JSON format asks for, laid out as in every API
 from .protocol import (
     RequestError,
     answer_message,
     check_tools,
+    constrained,
     decoding_stats,
     generation_failure,
     number,
     prompt_tokens,
     sampling,
+    template_options,
     text_of,
     unknown_fields,
 )
-from .tools import with_tool_calls
 from .validation import (
     check_anthropic_prefill,
     check_anthropic_ranges,
@@ -82,8 +89,9 @@ REFUSED = {
     "mcp_servers": "this server connects to no MCP servers; connect them in the client (Claude Code: /mcp)",
     "container": "this server runs no code-execution containers",
 }
-DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+DROPPED_BLOCKS = ("redacted_thinking",)  # encrypted: nothing the served model can read
 BILLING_HEADER = "x-anthropic-billing-header:"
+SIGNATURE = "dflash-mlx"  # a thinking block's signature: the reference's is opaque, and nothing checks this one
 
 
 def _blocks(content, where: str) -> list[dict]:
@@ -130,11 +138,13 @@ def conversation(body: dict) -> tuple[list[dict], list[dict]]:
             where = f"messages[{i}].content"
             messages.append({"role": "system", "content": text_of(_blocks(turn.get("content"), where), where)})
             continue
-        text, calls, results = [], [], []
+        text, calls, results, reasoning = [], [], [], []
         for j, block in enumerate(_blocks(turn.get("content"), f"messages[{i}].content")):
             kind, where = block["type"], f"messages[{i}].content[{j}]"
             if kind == "text":
                 text.append(block)
+            elif kind == "thinking" and role == "assistant":
+                reasoning.append(block.get("thinking") if isinstance(block.get("thinking"), str) else "")
             elif kind == "tool_use" and role == "assistant":
                 calls.append(
                     {
@@ -158,7 +168,7 @@ def conversation(body: dict) -> tuple[list[dict], list[dict]]:
                 )
             elif kind in DROPPED_BLOCKS and role == "assistant":
                 continue
-            elif kind in ("tool_use", "tool_result", *DROPPED_BLOCKS):
+            elif kind in ("tool_use", "tool_result", "thinking", *DROPPED_BLOCKS):
                 raise RequestError(f"{where}: a {kind} block does not belong in a {role} turn")
             else:
                 text_of([block], where)  # refuses images, documents and other non-text blocks by name
@@ -167,6 +177,8 @@ def conversation(body: dict) -> tuple[list[dict], list[dict]]:
             message = {"role": role, "content": text_of(text, f"messages[{i}].content")}
             if calls:
                 message["tool_calls"] = calls
+            if "".join(reasoning):
+                message["reasoning_content"] = "\n\n".join(r for r in reasoning if r)
             messages.append(message)
     if messages[-1] == {"role": "assistant", "content": ""}:
         messages.pop()  # an empty last assistant turn (the reference allows one) prefills nothing
@@ -210,23 +222,28 @@ class AnthropicAPI:
         kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
         return JSONResponse({"type": "error", "error": {"type": kind, "message": str(e)}}, e.status)
 
-    def _prompt(self, body: dict):
-        """The request's prompt tokens, its messages and tools, and the partial answer it ends
-        with (None: a new turn)."""
+    def _prompt(self, body: dict, grammar: bool):
+        """The request's prompt tokens, its messages, tools and template options, and the partial
+        answer it ends with (None: a new turn).  `grammar`: a grammar writes the answer (no room
+        for thinking before it: protocol.constrained)."""
         for name, reason in REFUSED.items():
             if body.get(name) is not None:
                 raise RequestError(f"{name}: {reason}; remove it")
-        check_anthropic_thinking(body.get("thinking"))
+        thinking = body.get("thinking")
+        check_anthropic_thinking(thinking)
         messages, tools = conversation(body)
         check_anthropic_tool_results(body["messages"])
         prefill = _prefill(messages)
-        tokens = prompt_tokens(self.server.tokenizer, messages, tools, continued=prefill is not None)
-        return tokens, messages, tools, prefill
+        template = template_options(None if thinking is None else thinking["type"] != "disabled")
+        if grammar:
+            template = constrained(template)
+        tokens = prompt_tokens(self.server.tokenizer, messages, tools, continued=prefill is not None, template=template)
+        return tokens, (messages, tools, template), prefill
 
     async def count_tokens(self, request: Request):
         try:
             body = await self.server.body(request)
-            prompt, *_ = self._prompt(body)
+            prompt, *_ = self._prompt(body, _asks_grammar(body))
         except RequestError as e:
             return self.error(e)
         return JSONResponse({"input_tokens": len(prompt)})
@@ -234,12 +251,13 @@ class AnthropicAPI:
     async def messages(self, request: Request):
         try:
             body = await self.server.body(request)
-            prompt, messages, tools, prefill = self._prompt(body)
+            prompt, chat, prefill = self._prompt(body, _asks_grammar(body))
             max_tokens = self.server.max_tokens(body, ("max_tokens",), None)
             check_anthropic_ranges(body)
             grammar, ignored_output = self._output_config(body.get("output_config"))
-            _, forced = choose_tools(self.server, tools, *anthropic_tool_choice(body.get("tool_choice")))
-            options = {**sampling(body, {"stop": "stop_sequences"}), "grammar": forced or grammar}
+            _, forced = choose_tools(self.server, chat[1], *anthropic_tool_choice(body.get("tool_choice")))
+            grammar = forced or grammar
+            options = {**sampling(body, {"stop": "stop_sequences"}), "grammar": grammar}
             number(body, "top_k", 0, numbers.Integral, low=0)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
@@ -248,7 +266,7 @@ class AnthropicAPI:
             job, first = await self.server.start(prompt, max_tokens, options)
         except RequestError as e:
             return self.error(e)
-        message = _Message(self.server, messages, tools, ignored, prefill)
+        message = _Message(self.server, chat, ignored, prefill, prompt, grammar is not None)
         headers = {"x-dflash-ignored-fields": ", ".join(ignored)} if ignored else {}
         follow = BackgroundTask(message.prefill_next_turn)
         if stream:
@@ -277,6 +295,15 @@ class AnthropicAPI:
         return JSONResponse(message.snapshot(), headers=headers, background=follow)
 
 
+def _asks_grammar(body: dict) -> bool:
+    """Whether the request's answer is written by a grammar (a JSON format, a forced call), as
+    its fields say (the prompt is rendered, and checked, before the grammar is compiled)."""
+    config, choice = body.get("output_config"), body.get("tool_choice")
+    return (isinstance(config, dict) and config.get("format") is not None) or (
+        isinstance(choice, dict) and choice.get("type") in ("any", "tool")
+    )
+
+
 def input_usage(response) -> dict:
     """A request's input tokens as the reference's usage splits them, their total the sum of the
     three: those restored from the prefix cache (cache_read_input_tokens), and those prefilled
@@ -291,13 +318,16 @@ def input_usage(response) -> dict:
 
 class _Message:
     """One assistant message built from the engine's events: the final object, or the event
-    stream (message_start, content_block_start / delta / stop, ping, message_delta, message_stop)."""
+    stream (message_start, content_block_start / delta / stop, ping, message_delta, message_stop).
+    Its content blocks are the answer's blocks (answer.Blocks): thinking, text, tool_use."""
 
-    def __init__(self, server, messages: list[dict], tools: list, ignored: list[str], prefill: Optional[str]):
-        self.server, self.messages, self.tools, self.ignored = server, messages, tools, ignored
+    def __init__(self, server, chat: tuple, ignored: list[str], prefill: Optional[str], prompt, grammar: bool):
+        self.server, self.ignored = server, ignored
+        self.messages, self.tools, self.template = chat
         self.prefill = prefill  # the partial answer continued (the last of `messages`), if any
+        self.parser = AnswerParser.for_prompt(server.tokenizer, self.tools, prompt, constrained=grammar)
         self.id = "msg_" + uuid.uuid4().hex
-        self.text, self.calls, self.last = "", [], None
+        self.blocks, self.last = Blocks(), None
 
     def _usage(self) -> dict:
         """The usage of the answer so far (its engine response `last`), with how it was decoded."""
@@ -309,7 +339,7 @@ class _Message:
 
     def _stop(self) -> tuple[str, object]:
         last = self.last
-        if self.calls:
+        if self.blocks.calls():
             return "tool_use", None
         if last.finish_reason == "length":
             return "max_tokens", None
@@ -317,20 +347,20 @@ class _Message:
             return "stop_sequence", last.stop_sequence
         return "end_turn", None
 
-    def _tool_blocks(self) -> list[dict]:
-        return [
-            {
-                "type": "tool_use",
-                "id": "toolu_" + call["id"].removeprefix("call_"),
-                "name": call["function"]["name"],
-                "input": json.loads(call["function"]["arguments"]),
-            }
-            for call in self.calls
-        ]
+    @staticmethod
+    def _content(block: Block, started: bool = False) -> dict:
+        """A block as the reference's content block: whole, or as content_block_start opens it."""
+        if block.kind == "reasoning":
+            return {"type": "thinking", "thinking": "", "signature": ""} if started else _thinking(block.text)
+        if block.kind == "text":
+            return {"type": "text", "text": "" if started else block.text}
+        call = block.call
+        tool = {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["name"]}
+        return {**tool, "input": {} if started else _input(call["arguments"])}
 
     def snapshot(self) -> dict:
         stop_reason, stop_sequence = self._stop()
-        content = ([{"type": "text", "text": self.text}] if self.text or not self.calls else []) + self._tool_blocks()
+        content = [self._content(block) for block in self.blocks.blocks] or [{"type": "text", "text": ""}]
         return {
             "id": self.id,
             "type": "message",
@@ -343,14 +373,12 @@ class _Message:
         }
 
     async def run(self, job, first):
-        """Consume the engine's events; yields the text shown at each."""
+        """Consume the engine's events; yields the block steps (answer.Blocks.add) at each."""
         # a continued answer's text so far is not what the client sends back: only whole ones are followed
-        chat = (self.messages, self.tools) if self.prefill is None else None
-        async for self.last, shown, self.calls in with_tool_calls(
-            self.server.events(job, first, chat), self.server.tokenizer, self.tools
-        ):
-            self.text += shown
-            yield shown
+        chat = (self.messages, self.tools, self.template) if self.prefill is None else None
+        async for self.last, events in answer_events(self.server.events(job, first, chat), self.parser):
+            steps = [step for event in events for step in self.blocks.add(event)]
+            yield steps + (self.blocks.stop() if self.last.finish_reason else [])
 
     def prefill_next_turn(self) -> None:
         """Once the answer is out (a background task of its response): its next turn prefilled
@@ -358,15 +386,31 @@ class _Message:
         as one assistant turn, the partial answer and its continuation."""
         if self.last is None or not self.last.finish_reason:
             return
+        text, calls, reasoning = self.blocks.joined("text"), self.blocks.calls(), self.blocks.joined("reasoning")
         if self.prefill is None:
-            answered = self.messages + [answer_message(self.text, self.calls)]
+            answered = self.messages + [answer_message(text, calls, reasoning)]
         else:
-            answered = self.messages[:-1] + [answer_message(self.prefill + self.text, self.calls)]
-        self.server.prefill_next_turn(answered, self.tools)
+            answered = self.messages[:-1] + [answer_message(self.prefill + text, calls, reasoning)]
+        self.server.follow_up(answered, self.tools, self.template)
 
     @staticmethod
     def _event(kind: str, **fields) -> str:
         return f"event: {kind}\ndata: " + json.dumps({"type": kind, **fields}) + "\n\n"
+
+    def _block_events(self, step: str, block: Block, text: str, index: int):
+        if step == "start":
+            yield self._event("content_block_start", index=index, content_block=self._content(block, started=True))
+        elif step == "delta":
+            kind, field = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "text")}.get(
+                block.kind, ("input_json_delta", "partial_json")
+            )
+            yield self._event("content_block_delta", index=index, delta={"type": kind, field: text})
+        else:
+            if block.kind == "reasoning":  # the reference signs a thinking block before it stops
+                yield self._event(
+                    "content_block_delta", index=index, delta={"type": "signature_delta", "signature": SIGNATURE}
+                )
+            yield self._event("content_block_stop", index=index)
 
     async def stream(self, job, first):
         try:
@@ -382,31 +426,20 @@ class _Message:
             }
             yield self._event("message_start", message=start)
             yield self._event("ping")
-            index, opened, last_ping = 0, False, time.monotonic()
-            async for shown in self.run(job, first):
-                if shown and not opened:
-                    opened = True
-                    yield self._event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                if shown:
-                    yield self._event("content_block_delta", index=0, delta={"type": "text_delta", "text": shown})
-                elif time.monotonic() - last_ping > 10:  # long silences keep proxies from closing the stream
+            indexes, last_ping = {}, time.monotonic()  # a block's index: its place among the blocks
+            async for steps in self.run(job, first):
+                for step, block, text in steps:
+                    index = indexes.setdefault(id(block), len(indexes))
+                    for event in self._block_events(step, block, text, index):
+                        yield event
+                if (
+                    not steps and time.monotonic() - last_ping > 10
+                ):  # long silences keep proxies from closing the stream
                     last_ping = time.monotonic()
                     yield self._event("ping")
-            if not opened and not self.calls:  # an empty answer is still a text block
-                opened = True
+            if not indexes:  # an empty answer is still a text block
                 yield self._event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-            if opened:
                 yield self._event("content_block_stop", index=0)
-                index = 1
-            for block in self._tool_blocks():
-                yield self._event("content_block_start", index=index, content_block={**block, "input": {}})
-                yield self._event(
-                    "content_block_delta",
-                    index=index,
-                    delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)},
-                )
-                yield self._event("content_block_stop", index=index)
-                index += 1
             stop_reason, stop_sequence = self._stop()
             yield self._event(
                 "message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=self._usage()
@@ -417,3 +450,16 @@ class _Message:
             yield self._event("error", error={"type": "api_error", "message": str(failure)})
         finally:
             job.cancelled.set()
+
+
+def _thinking(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": SIGNATURE}
+
+
+def _input(arguments: str) -> dict:
+    """A call's arguments as a tool_use block's input (an object, whatever the model wrote)."""
+    try:
+        value = json.loads(arguments)
+    except (TypeError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}

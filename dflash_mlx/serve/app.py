@@ -275,11 +275,11 @@ class Server:
             return response
         return Response(status_code=CLIENT_CLOSED)  # no one reads it; the access line says what happened
 
-    async def events(self, job: Job, first, chat: Optional[tuple[list[dict], list]] = None) -> AsyncIterator:
+    async def events(self, job: Job, first, chat: Optional[tuple[list[dict], list, dict]] = None) -> AsyncIterator:
         """The job's responses, one per decode cycle, from `first` to the one with a finish_reason.
         Leaving early (a client gone) frees the engine at its next cycle.  What it generated goes
-        on its request's access line (AccessLog).  `chat`: the messages and tools of a chat the job
-        answers (prefill_next_turn as its answer grows)."""
+        on its request's access line (AccessLog).  `chat`: the messages, tools and template options
+        of a chat the job answers (prefill_next_turn as its answer grows)."""
         event, text, followed, last = first, "", 0, None
         try:
             while event is not DONE:
@@ -294,14 +294,16 @@ class Server:
                     and event.generation_tokens >= followed + ANSWER_FOLLOW_EVERY
                 ):
                     followed = event.generation_tokens
-                    self.prefill_next_turn(chat[0] + [answer_message(text, [])], chat[1], ANSWER_TAIL)
+                    self.prefill_next_turn(chat[0] + [answer_message(text, [])], chat[1], ANSWER_TAIL, chat[2])
                 event = await self.next_event(job)
         finally:
             job.cancelled.set()
             if last is not None:
                 record_generation(last)
 
-    def prefill_next_turn(self, conversation: list[dict], tools: list, tail: int = 0) -> None:
+    def prefill_next_turn(
+        self, conversation: list[dict], tools: list, tail: int = 0, template: Optional[dict] = None
+    ) -> None:
         """A chat answered (`conversation`: its messages, then the answer as the client sends it
         back): while the client acts on it (an agent runs its tools), the engine prefills the
         conversation as the next request will render it.  Its state after the answer
@@ -318,9 +320,17 @@ class Server:
         engine finds the answer's own state holds it and prefills nothing."""
         if not self.next_turn_prefill:
             return
-        tokens = next_turn_tokens(self.tokenizer, conversation, tools)
+        tokens = next_turn_tokens(self.tokenizer, conversation, tools, template)
         if tokens and len(tokens) > tail:
             self.worker.prefill_when_idle(tokens[: len(tokens) - tail])
+
+    def follow_up(self, conversation: list[dict], tools: list, template: dict) -> None:
+        """An answer is out (`conversation` ends with it): its next turn prefilled as the next
+        request will render it, its template options (thinking switched) included."""
+        if template:
+            self.prefill_next_turn(conversation, tools, template=template)
+        else:  # as two arguments where they are all (what tests watching prefill_next_turn record)
+            self.prefill_next_turn(conversation, tools)
 
     def refused(self, error: RequestError) -> None:
         """A request answered with an error (or a stream ended by one): counted, and a 5xx logged

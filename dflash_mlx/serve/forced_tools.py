@@ -3,7 +3,7 @@
 
 A forced call is a grammar (decode/grammar.py, llguidance's lark syntax) that admits one tool
 call and nothing else, written as the model's own tool-call format has it (tools.call_syntax,
-what tools.ToolCalls parses back), naming one of the tools the choice allows, its arguments
+what answer.ToolCalls parses back), naming one of the tools the choice allows, its arguments
 valid against that tool's JSON schema.  The model still chooses all the grammar leaves open
 (which tool, the argument values).
 

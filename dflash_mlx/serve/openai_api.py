@@ -9,6 +9,11 @@ choices with a grammar (grammar.py), and so does a tool_choice that forces a cal
 this API does not know are listed in `usage.dflash.ignored_fields` and the
 `x-dflash-ignored-fields` header.  `n` choices are decoded one after another
 (choice i of a seeded request uses seed + i); `logprobs` are the target's own.
+
+A chat answer is read by answer.AnswerParser: a thinking model's reasoning comes as
+`reasoning_content` (and `reasoning`, the name vLLM now prefers and mlx-lm's server uses) before
+`content`, tool calls as `tool_calls` deltas, the function's name first, then its arguments in
+pieces.  `reasoning_effort` and `chat_template_kwargs` switch thinking where the template does.
 """
 
 import json
@@ -22,22 +27,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..decode.grammar import Grammar
+from .answer import AnswerParser, Blocks, Text, answer_events
 from .forced_tools import choose_tools, openai_tool_choice
 from .protocol import (
     RequestError,
     answer_message,
     arguments_json,
     check_tools,
+    constrained,
     decoding_stats,
     generation_failure,
     number,
     prompt_tokens,
     refuse_nonzero,
     sampling,
+    template_options,
     text_of,
     unknown_fields,
 )
-from .tools import with_tool_calls
 from .validation import check_openai_ranges, check_openai_tool_messages
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "block_size"}
@@ -58,6 +65,8 @@ CHAT_FIELDS = (
         "top_logprobs",
         "response_format",
         "modalities",
+        "reasoning_effort",
+        "chat_template_kwargs",
         *REFUSED,
     }
 )
@@ -115,6 +124,10 @@ class OpenAIEndpoints:
             raise RequestError("stream_options must be an object", param="stream_options")
         return max_tokens, stream, bool(stream_options.get("include_usage"))
 
+    def reasoning_tokens(self, reasoning: str) -> int:
+        """The tokens of an answer's reasoning (its text re-tokenized: the markers around it aside)."""
+        return len(self.server.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+
     def _token_text(self, token: int) -> str:
         return self.server.tokenizer.decode([token])
 
@@ -131,19 +144,22 @@ class OpenAIEndpoints:
 class OpenAIAPI(OpenAIEndpoints):
     """Chat completions (POST /v1/chat/completions) and text completions (POST /v1/completions)."""
 
-    def _usage(self, responses: list, ignored: list[str]) -> dict:
+    def _usage(self, responses: list, ignored: list[str], reasoning: str = "") -> dict:
         last = responses[-1]
         completion = sum(r.generation_tokens for r in responses)
         dflash = decoding_stats(last)
         if ignored:
             dflash["ignored_fields"] = ignored
-        return {
+        usage = {
             "prompt_tokens": last.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": last.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
             "dflash": dflash,
         }
+        if reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens(reasoning)}
+        return usage
 
     # ------------------------------------------------------------ request parsing
 
@@ -165,6 +181,9 @@ class OpenAIAPI(OpenAIEndpoints):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError("every message needs a role and content", param="messages")
             message = {"role": m["role"], "content": text_of(m.get("content"), f"messages[{i}].content")}
+            reasoning = m.get("reasoning_content", m.get("reasoning"))  # an answer's reasoning, sent back
+            if m["role"] == "assistant" and isinstance(reasoning, str) and reasoning:
+                message["reasoning_content"] = reasoning
             if m.get("tool_calls"):
                 calls = m["tool_calls"]
                 if not (
@@ -195,7 +214,11 @@ class OpenAIAPI(OpenAIEndpoints):
             logprobs = number(body, "top_logprobs", 0, numbers.Integral, 0, 20)
         elif body.get("top_logprobs") is not None:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        return prompt_tokens(self.server.tokenizer, normalised, tools), normalised, tools, logprobs, grammar
+        template = template_options(effort=body.get("reasoning_effort"), kwargs=body.get("chat_template_kwargs"))
+        if grammar is not None:
+            template = constrained(template)
+        prompt = prompt_tokens(self.server.tokenizer, normalised, tools, template=template)
+        return prompt, (normalised, tools, template), logprobs, grammar
 
     def _completion_request(self, body: dict):
         refuse_nonzero(body, *REFUSED, "echo", "suffix")
@@ -226,9 +249,9 @@ class OpenAIAPI(OpenAIEndpoints):
         try:
             body = await self.server.body(request)
             if chat:
-                prompt, messages, tools, logprobs, grammar = self._chat_request(body)
+                prompt, conversation, logprobs, grammar = self._chat_request(body)
             else:
-                (prompt, logprobs), messages, tools, grammar = self._completion_request(body), None, None, None
+                (prompt, logprobs), conversation, grammar = self._completion_request(body), None, None
             check_openai_ranges(body)
             options = {**sampling(body, {"stop": "stop"}), "logprobs": logprobs, "grammar": grammar}
             max_tokens, stream, include_usage = self._length_and_stream(body, 512 if chat else 16)
@@ -238,42 +261,32 @@ class OpenAIAPI(OpenAIEndpoints):
         except RequestError as e:
             return self.error(e)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        choices = _Choices(self, prompt, max_tokens, options, n, job, first, messages, tools)
+        choices = _Choices(self, prompt, max_tokens, options, n, job, first, conversation)
         if stream:
             return StreamingResponse(
-                self._sse(choices, ident, chat, include_usage, tools, ignored),
+                self._sse(choices, ident, chat, include_usage, ignored),
                 media_type="text/event-stream",
                 headers=self._headers(ignored),
                 background=BackgroundTask(choices.prefill_next_turn),
             )
-        response = await self.server.while_connected(request, self._whole(choices, ident, chat, tools, ignored))
+        response = await self.server.while_connected(request, self._whole(choices, ident, chat, ignored))
         response.background = BackgroundTask(choices.prefill_next_turn)
         return response
 
     def _choice(
-        self,
-        chat: bool,
-        index: int,
-        text: Optional[str],
-        finish: Optional[str],
-        delta: bool,
-        tool_calls: Optional[list] = None,
-        logprobs: Optional[list] = None,
+        self, chat: bool, index: int, content, finish: Optional[str], delta: bool, logprobs: Optional[list] = None
     ) -> dict:
+        """A choice: `content` is a chat message (or delta) dict, or a text completion's text."""
         if not chat:
             return {
                 "index": index,
-                "text": text,
+                "text": content,
                 "finish_reason": finish,
                 "logprobs": None if logprobs is None else self._completion_logprobs(logprobs),
             }
-        message = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)] if delta else tool_calls
-            finish = finish and "tool_calls"
         return {
             "index": index,
-            "delta" if delta else "message": message,
+            "delta" if delta else "message": content,
             "finish_reason": finish,
             "logprobs": None if logprobs is None else {"content": self.token_logprobs(logprobs)},
         }
@@ -285,30 +298,23 @@ class OpenAIAPI(OpenAIEndpoints):
             "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
         }
 
-    async def _whole(self, choices: "_Choices", ident: str, chat: bool, tools, ignored: list[str]) -> JSONResponse:
-        out, finals = [], []
+    async def _whole(self, choices: "_Choices", ident: str, chat: bool, ignored: list[str]) -> JSONResponse:
+        out, finals, reasoning = [], [], ""
         try:
             async for index, events in choices:
-                text, logprobs = "", [] if choices.options["logprobs"] is not None else None
-                async for last, shown, tool_calls in with_tool_calls(
-                    events, self.server.tokenizer, tools if chat else None
-                ):
-                    text += shown
-                    choices.answered(shown, tool_calls, last)
+                blocks, logprobs = Blocks(), [] if choices.options["logprobs"] is not None else None
+                async for last, changes in events:
+                    for event in changes:
+                        blocks.add(event)
                     if logprobs is not None:
                         logprobs += last.logprobs
-                out.append(
-                    self._choice(
-                        chat,
-                        index,
-                        text or (None if tool_calls else ""),
-                        last.finish_reason,
-                        False,
-                        tool_calls,
-                        logprobs,
-                    )
-                )
+                blocks.stop()
+                choices.answered(blocks, last)
+                content = _message(blocks) if chat else blocks.joined("text")
+                finish = "tool_calls" if chat and blocks.calls() else last.finish_reason
+                out.append(self._choice(chat, index, content, finish, False, logprobs))
                 finals.append(last)
+                reasoning += blocks.joined("reasoning")
         except Exception as e:
             return self.error(generation_failure(e))
         finally:
@@ -320,12 +326,12 @@ class OpenAIAPI(OpenAIEndpoints):
                 "created": int(time.time()),
                 "model": self.server.model_id,
                 "choices": out,
-                "usage": self._usage(finals, ignored),
+                "usage": self._usage(finals, ignored, reasoning),
             },
             headers=self._headers(ignored),
         )
 
-    async def _sse(self, choices: "_Choices", ident: str, chat: bool, include_usage: bool, tools, ignored: list[str]):
+    async def _sse(self, choices: "_Choices", ident: str, chat: bool, include_usage: bool, ignored: list[str]):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
@@ -345,23 +351,24 @@ class OpenAIAPI(OpenAIEndpoints):
                 + "\n\n"
             )
 
-        finals = []
+        finals, reasoning = [], ""
         try:
             async for index, events in choices:
-                last = None
-                async for last, text, tool_calls in with_tool_calls(
-                    events, self.server.tokenizer, tools if chat else None
-                ):
-                    choices.answered(text, tool_calls, last)
+                last, blocks = None, Blocks()
+                async for last, changes in events:
+                    steps = [step for event in changes for step in blocks.add(event)]
                     if last.finish_reason:
-                        yield chunk(
-                            [self._choice(chat, index, text, last.finish_reason, True, tool_calls, last.logprobs)]
-                        )
-                    elif text or last.logprobs:
-                        yield chunk([self._choice(chat, index, text, None, True, None, last.logprobs)])
+                        steps += blocks.stop()
+                        choices.answered(blocks, last)
+                    content = _delta(steps) if chat else "".join(text for _, _, text in steps)
+                    finish = last.finish_reason and ("tool_calls" if chat and blocks.calls() else last.finish_reason)
+                    said = content if not chat else content["content"] is not None or len(content) > 2
+                    if finish or last.logprobs or said:
+                        yield chunk([self._choice(chat, index, content, finish, True, last.logprobs)])
                 finals.append(last)
+                reasoning += blocks.joined("reasoning")
             if include_usage and finals:
-                yield chunk([], usage=self._usage(finals, ignored))
+                yield chunk([], usage=self._usage(finals, ignored, reasoning))
             yield "data: [DONE]\n\n"
         except Exception as e:
             failure = self.server.stream_failed(e)
@@ -370,30 +377,78 @@ class OpenAIAPI(OpenAIEndpoints):
             choices.close()
 
 
+def _message(blocks: Blocks) -> dict:
+    """A whole chat answer: its text, its reasoning (as vLLM and mlx-lm's server name it) and calls."""
+    text, reasoning, calls = blocks.joined("text"), blocks.joined("reasoning"), blocks.calls()
+    message = {"role": "assistant", "content": text or (None if calls else "")}
+    if reasoning:
+        message.update(reasoning_content=reasoning, reasoning=reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _delta(steps: list) -> dict:
+    """What one engine step added to a chat answer, as one delta: reasoning, text, and each call
+    touched (its id and name where it started, then pieces of its arguments)."""
+    delta, calls = {"role": "assistant", "content": None}, {}
+    for step, block, text in steps:
+        if block.kind == "call":
+            index = block.call["index"]
+            if step == "start":
+                function = {"name": block.call["name"], "arguments": ""}
+                calls[index] = {"index": index, "id": block.call["id"], "type": "function", "function": function}
+            elif step == "delta":
+                calls.setdefault(index, {"index": index, "function": {"arguments": ""}})["function"]["arguments"] += (
+                    text
+                )
+        elif step == "delta":
+            key = "content" if block.kind == "text" else "reasoning_content"
+            delta[key] = (delta.get(key) or "") + text
+    if "reasoning_content" in delta:
+        delta["reasoning"] = delta["reasoning_content"]
+    if calls:
+        delta["tool_calls"] = list(calls.values())
+    return delta
+
+
 class _Choices:
     """The n choices of a request: all queued at once (a batching engine decodes them together),
-    async-iterated as (index, events) in order."""
+    async-iterated as (index, events) in order, each event an engine response with the answer
+    events its text completes."""
 
-    def __init__(self, api: OpenAIAPI, prompt, max_tokens, options, n, job, first, messages=None, tools=None):
+    def __init__(self, api: OpenAIAPI, prompt, max_tokens, options, n, job, first, conversation=None):
         self.api, self.prompt, self.max_tokens, self.options, self.n = api, prompt, max_tokens, options, n
         self.started = [(job, first)]
-        self.messages, self.tools = messages, tools  # a chat's (None: a text completion)
-        self.text, self.calls, self.finished = "", [], False  # a one-choice chat's answer
+        self.conversation = conversation  # a chat's messages, tools and template options (None: a text completion)
+        self.blocks, self.finished = None, False  # a one-choice chat's answer
 
-    def answered(self, text: str, tool_calls, last) -> None:
-        """A piece of the answer (one choice: the only one followed up)."""
-        self.text += text
-        self.calls, self.finished = tool_calls or [], bool(last.finish_reason)
+    def answered(self, blocks: Blocks, last) -> None:
+        """A choice's answer (one choice: the only one followed up)."""
+        self.blocks, self.finished = blocks, bool(last.finish_reason)
 
     @property
-    def chat(self) -> Optional[tuple[list[dict], list]]:
-        """The messages and tools of a one-choice chat (the only one whose next turn is prefilled)."""
-        return (self.messages, self.tools) if self.messages is not None and self.n == 1 else None
+    def chat(self) -> Optional[tuple[list[dict], list, dict]]:
+        """The messages, tools and template options of a one-choice chat (the only one whose next
+        turn is prefilled)."""
+        return self.conversation if self.conversation is not None and self.n == 1 else None
 
     def prefill_next_turn(self) -> None:
         """Once a one-choice chat's answer is out: its next turn prefilled (Server.prefill_next_turn)."""
         if self.chat is not None and self.finished:
-            self.api.server.prefill_next_turn(self.messages + [answer_message(self.text, self.calls)], self.tools)
+            messages, tools, template = self.chat
+            blocks = self.blocks
+            answer = answer_message(blocks.joined("text"), blocks.calls(), blocks.joined("reasoning"))
+            self.api.server.follow_up(messages + [answer], tools, template)
+
+    def _parsed(self, events):
+        """A choice's engine responses with their answer events (a text completion's: its text)."""
+        if self.conversation is None:
+            return _as_text(events)
+        _, tools, _ = self.conversation
+        grammar = self.options["grammar"] is not None
+        parser = AnswerParser.for_prompt(self.api.server.tokenizer, tools, self.prompt, constrained=grammar)
+        return answer_events(events, parser)
 
     async def __aiter__(self):
         seed = self.options["seed"]
@@ -401,8 +456,13 @@ class _Choices:
             options = {**self.options, "seed": None if seed is None else seed + index}
             self.started.append(await self.api.server.start(self.prompt, self.max_tokens, options))
         for index, (job, first) in enumerate(self.started):
-            yield index, self.api.server.events(job, first, self.chat)
+            yield index, self._parsed(self.api.server.events(job, first, self.chat))
 
     def close(self):
         for job, _ in self.started:
             job.cancelled.set()
+
+
+async def _as_text(events):
+    async for response in events:
+        yield response, [Text(response.text)] if response.text else []

@@ -4,14 +4,16 @@ into the target's prompt tokens.
 
 Conversations are normalised to OpenAI chat messages, the shape chat templates
 know: {"role": "system" | "user" | "assistant" | "tool", "content": str,
-"tool_calls": [...], "tool_call_id": str}.  Each API translates its own format
-into that (openai_api.py, responses_api.py, anthropic_api.py) and back.
+"tool_calls": [...], "tool_call_id": str, "reasoning_content": str}.  Each API translates its
+own format into that (openai_api.py, responses_api.py, anthropic_api.py) and back.  A request's
+thinking switches become the template's keyword arguments (`template_options`).
 """
 
 import json
 import numbers
 from typing import Optional
 
+from .families import HarmonyFamily, family_of
 from .tools import fallback_tool_prompt, render_tool_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -135,11 +137,16 @@ def check_tools(tools, where: str = "tools") -> list[dict]:
 
 
 def prompt_tokens(
-    tokenizer, messages: list[dict], tools: list[dict], add_generation_prompt: bool = True, continued: bool = False
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict],
+    add_generation_prompt: bool = True,
+    continued: bool = False,
+    template: Optional[dict] = None,
 ) -> list[int]:
     """The conversation through the target's chat template.  A template that does not render
     tools (SmolLM2's, for one) gets them described in the system turn, with the
-    <tool_call>{json}</tool_call> convention tools.ToolCalls then parses; its tool turns are
+    <tool_call>{json}</tool_call> convention answer.ToolCalls then parses; its tool turns are
     rendered as text the same way.  `continued`: the last message is an assistant's partial
     answer, rendered as the template writes an assistant turn but left open (no end of turn
     after its text), so the model continues it.
@@ -148,7 +155,7 @@ def prompt_tokens(
     developer message) are rendered in place, as system turns where the template takes them
     there, else as user turns (Qwen3.5's refuses them: "System message must be at the
     beginning"); merged into the first, they would change the prompt's start, and every turn
-    would miss the prefix cache."""
+    would miss the prefix cache.  `template`: keyword arguments for the template (template_options)."""
     for i, message in enumerate(messages):
         if message.get("role") not in ROLES:
             raise RequestError(
@@ -160,7 +167,9 @@ def prompt_tokens(
         return tokenizer.encode(text)
 
     def render(conversation: list[dict]) -> str:
-        return _chat_text(tokenizer, conversation, tools, add_generation_prompt and not continued, continued)
+        return _chat_text(
+            tokenizer, conversation, tools, add_generation_prompt and not continued, continued, template or {}
+        )
 
     try:
         text = render(messages)
@@ -172,10 +181,14 @@ def prompt_tokens(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _chat_text(tokenizer, messages: list[dict], tools: list[dict], add_generation_prompt: bool, continued: bool) -> str:
+def _chat_text(
+    tokenizer, messages: list[dict], tools: list[dict], add_generation_prompt: bool, continued: bool, template: dict
+) -> str:
     native_tools = bool(tools) and "tools" in (tokenizer.chat_template or "")
     if tools and not native_tools:
         messages = _with_tool_text(messages, tools)
+    else:
+        messages = _for_template(tokenizer, messages)
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -183,23 +196,107 @@ def _chat_text(tokenizer, messages: list[dict], tools: list[dict], add_generatio
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continued,
+            **template,
         )
     except Exception as e:  # the template's own checks (roles, order)
         raise RequestError(f"the chat template refused these messages ({e})", param="messages") from None
 
 
-def answer_message(text: str, calls: list) -> dict:
-    """An answer as a chat client sends it back: its text and tool calls, one assistant message."""
-    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+def answer_message(text: str, calls: list, reasoning: str = "") -> dict:
+    """An answer as a client sends it back: its text, tool calls and reasoning (a thinking block,
+    a reasoning item, reasoning_content), one assistant message."""
+    message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
 
 
-def next_turn_tokens(tokenizer, conversation: list[dict], tools: list[dict]) -> Optional[list[int]]:
+def next_turn_tokens(
+    tokenizer, conversation: list[dict], tools: list[dict], template: Optional[dict] = None
+) -> Optional[list[int]]:
     """The conversation, its answer last (as the client's next request will send it), rendered up
     to the next turn; None where the template will not render it."""
     try:
-        return prompt_tokens(tokenizer, conversation, tools, add_generation_prompt=False)
+        return prompt_tokens(tokenizer, conversation, tools, add_generation_prompt=False, template=template)
     except RequestError:
         return None
+
+
+def _for_template(tokenizer, messages: list[dict]) -> list[dict]:
+    """Messages as the family's template reads them: a call's arguments as an object, unless the
+    template takes the text the model wrote (families: arguments_as_text); reasoning under
+    `reasoning_content` (Qwen3's, Qwen3.5's, Gemma 4's templates) and, for gpt-oss's, `thinking`
+    too (which it refuses beside text in a message with calls: there the text stands for it)."""
+    family = family_of(tokenizer)
+    as_text, harmony = family.arguments_as_text(), isinstance(family, HarmonyFamily)
+    out = []
+    for message in messages:
+        if message.get("tool_calls") and not as_text:
+            message = {**message, "tool_calls": [_object_arguments(call) for call in message["tool_calls"]]}
+        if harmony and message.get("reasoning_content") and not (message.get("content") and message.get("tool_calls")):
+            message = {**message, "thinking": message["reasoning_content"]}
+        out.append(message)
+    return out
+
+
+def _object_arguments(call: dict) -> dict:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return call  # not JSON: the template gets the text
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+# ---------------------------------------------------------------- thinking, as requests switch it
+
+EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+RESERVED_KWARGS = {  # set by the server itself
+    "messages",
+    "tools",
+    "documents",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+    "chat_template",
+}
+
+
+def template_options(enabled: Optional[bool] = None, effort=None, kwargs=None, where: str = "reasoning_effort") -> dict:
+    """The chat template's keyword arguments for a request's thinking fields: `enable_thinking`
+    (mlx-lm's TokenizerWrapper renames it for templates that call it otherwise, and sets it to the
+    model's default when it is not given), and `reasoning_effort` low / medium / high for an effort
+    (gpt-oss's template reads it); effort "none" turns thinking off.  `kwargs`: the request's own
+    chat_template_kwargs, as vLLM and mlx-lm's server take them; they win."""
+    options = {}
+    if effort is not None:
+        if effort != "none" and effort not in EFFORTS:
+            raise RequestError(f"{where} must be one of none, {', '.join(EFFORTS)}; got {effort!r}", param=where)
+        options["enable_thinking"] = effort != "none"
+        options["reasoning_effort"] = EFFORTS.get(effort, "low")
+    if enabled is not None:
+        options["enable_thinking"] = enabled
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        reserved = sorted(RESERVED_KWARGS & set(kwargs))
+        if reserved:
+            raise RequestError(
+                f"chat_template_kwargs: {', '.join(reserved)} is the server's to set", param="chat_template_kwargs"
+            )
+        options.update(kwargs)
+    return options
+
+
+def constrained(options: dict) -> dict:
+    """A grammar writes the answer from its first token (a JSON format, a forced call): there is no
+    room for reasoning before it, so the prompt is rendered with thinking off."""
+    return {**options, "enable_thinking": False}
 
 
 def _with_tool_text(messages: list[dict], tools: list[dict]) -> list[dict]:

@@ -5,8 +5,14 @@ text completions (errors, ignored fields, tools, text.format, logprobs) is in op
 
 Custom tools (free-form input, such as Codex's apply_patch) are offered to the model as
 functions of one string argument, `input`, and their calls come back as custom_tool_call
-items.  `reasoning` and include ["reasoning.encrypted_content"] are accepted: the served model
-writes no reasoning items, and reasoning items sent back are left out of the prompt.
+items.  A thinking model's reasoning comes as reasoning items whose content is its raw text
+(`reasoning_text` parts, streamed as response.reasoning_text.delta, as the reference streams raw
+reasoning; the model writes no summaries), before the message item; function calls as
+function_call items whose arguments stream as response.function_call_arguments.delta once the
+name is known.  `reasoning.effort` switches thinking where the template does ("none": off).
+Reasoning items sent back go to the template as the next assistant turn's reasoning (their
+reasoning_text; summaries and encrypted content, another model's, are left out);
+include ["reasoning.encrypted_content"] is accepted (nothing here is encrypted).
 """
 
 import json
@@ -19,21 +25,24 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from .answer import AnswerParser, Block, Blocks, answer_events
 from .forced_tools import choose_tools, openai_tool_choice
 from .openai_api import NO_EFFECT, SAMPLING_FIELDS, OpenAIEndpoints, format_grammar
 from .protocol import (
     RequestError,
+    answer_message,
     arguments_json,
     check_tools,
+    constrained,
     decoding_stats,
     generation_failure,
     number,
     prompt_tokens,
     sampling,
+    template_options,
     text_of,
     unknown_fields,
 )
-from .tools import with_tool_calls
 from .validation import check_function_call_outputs, check_openai_ranges
 
 RESPONSES_FIELDS = (
@@ -65,9 +74,10 @@ class ResponsesAPI(OpenAIEndpoints):
 
     def _request(self, body: dict):
         _refuse_what_needs_state(body)
-        reasoning = body.get("reasoning")  # effort and summary: the served model does not reason apart
+        reasoning = body.get("reasoning")  # its effort switches thinking; summaries: none are written
         if reasoning is not None and not isinstance(reasoning, dict):
             raise RequestError("reasoning must be an object", param="reasoning")
+        template = template_options(effort=(reasoning or {}).get("effort"), where="reasoning.effort")
         logprobs = _included_logprobs(body)
         items = body.get("input")
         if isinstance(items, str) and items.strip():
@@ -81,13 +91,15 @@ class ResponsesAPI(OpenAIEndpoints):
         grammar = format_grammar(self.server, text_format, "text.format", lambda value: value.get("schema"))
         tools, forced = choose_tools(self.server, tools, *openai_tool_choice(body.get("tool_choice")))
         grammar = forced or grammar  # a forced call's grammar admits no text for a format to shape
-        prompt = prompt_tokens(self.server.tokenizer, messages, tools)
-        return prompt, messages, (tools, custom), logprobs, grammar
+        if grammar is not None:
+            template = constrained(template)
+        prompt = prompt_tokens(self.server.tokenizer, messages, tools, template=template)
+        return prompt, (messages, tools, template), custom, logprobs, grammar
 
     async def create(self, request: Request):
         try:
             body = await self.server.body(request)
-            prompt, messages, (tools, custom), logprobs, grammar = self._request(body)
+            prompt, chat, custom, logprobs, grammar = self._request(body)
             check_openai_ranges(body)
             options = {**sampling(body, {"stop": "stop"}), "logprobs": logprobs, "grammar": grammar}
             max_tokens, stream, _ = self._length_and_stream(body, 512, ("max_output_tokens",))
@@ -95,7 +107,8 @@ class ResponsesAPI(OpenAIEndpoints):
             job, first = await self.server.start(prompt, max_tokens, options)
         except RequestError as e:
             return self.error(e)
-        response = _Response(self, body, messages, (tools, custom), ignored)
+        parser = AnswerParser.for_prompt(self.server.tokenizer, chat[1], prompt, constrained=grammar is not None)
+        response = _Response(self, body, chat, custom, ignored, parser)
         follow = BackgroundTask(response.prefill_next_turn)
         if stream:
             return StreamingResponse(
@@ -189,20 +202,30 @@ def custom_input(arguments: str) -> str:
 
 def input_messages(items: list) -> list[dict]:
     """Responses API input items as chat messages (a call joins the assistant message before it
-    when that has no text).  Reasoning items are left out: the served model has no reasoning of
-    its own to read back, and another model's is encrypted."""
-    messages = []
+    when that has no text).  A reasoning item's raw text (its reasoning_text parts, as this server
+    writes them) becomes the reasoning of the assistant turn after it; its summary and encrypted
+    content (another model's) are left out."""
+    messages, reasoning = [], []
     for i, item in enumerate(items):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": text_of(item.get("content"), f"input[{i}].content")})
+            message = {"role": item.get("role"), "content": text_of(item.get("content"), f"input[{i}].content")}
+            if message["role"] == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = "\n\n".join(reasoning), []
+            messages.append(message)
+        elif kind == "reasoning":
+            parts = item.get("content") if isinstance(item.get("content"), list) else []
+            reasoning += [
+                p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"]
+            ]
         elif kind in ("function_call", "custom_tool_call"):
-            _add_call(messages, _call_of(item))
+            _add_call(messages, _call_of(item), "\n\n".join(reasoning))
+            reasoning = []
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             content = output if isinstance(output, str) else text_of(output, f"input[{i}]")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
-        elif kind != "reasoning":
+        else:
             raise RequestError(
                 f"input[{i}] is a {kind!r} item; this server reads message, reasoning, function_call, "
                 "function_call_output, custom_tool_call and custom_tool_call_output items",
@@ -225,31 +248,46 @@ def _call_of(item: dict) -> dict:
     }
 
 
-def _add_call(messages: list[dict], call: dict) -> None:
-    if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
-        messages[-1].setdefault("tool_calls", []).append(call)
+def _add_call(messages: list[dict], call: dict, reasoning: str) -> None:
+    """A call joins the assistant message before it when that has no text (nor reasoning of its
+    own to go first), else it is a turn of its own, with the reasoning that came before it."""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and not last["content"] and not reasoning:
+        last.setdefault("tool_calls", []).append(call)
     else:
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        messages.append(answer_message("", [call], reasoning))
 
 
 class _Response:
     """One Responses API response, built from the engine's events: the final object, or the
-    stream of typed events the openai client parses."""
+    stream of typed events the openai client parses.  Its output items are the answer's blocks
+    (answer.Blocks): reasoning, message, function_call (or custom_tool_call) items, in order."""
 
-    def __init__(self, api: ResponsesAPI, body: dict, messages: list[dict], tools: tuple, ignored: list[str]):
-        """`tools`: the function tools offered, and the names of those that are custom tools."""
-        self.api, self.body, self.messages, self.ignored = api, body, messages, ignored
-        self.tools, self.custom = tools
+    def __init__(self, api: ResponsesAPI, body: dict, chat: tuple, custom: set, ignored: list[str], parser):
+        """`chat`: the conversation's messages, the function tools offered and the template options;
+        `custom`: the names of the tools that are custom tools."""
+        self.api, self.body, self.ignored, self.parser = api, body, ignored, parser
+        self.messages, self.tools, self.template = chat
+        self.custom = custom
         self.id = "resp_" + uuid.uuid4().hex
-        self.message_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text, self.logprobs, self.calls, self.last = "", [], [], None
-        self.sequence = 0
+        self.blocks, self.last, self.ids = Blocks(), None, {}
+        self.empty = Block("text")  # the message of an answer without text or calls
+        self.sequence, self.step_logprobs = 0, []
+
+    def _id(self, block: Block) -> str:
+        prefix = {"reasoning": "rs_", "text": "msg_"}.get(block.kind)
+        if prefix is None:
+            return ("ctc_" if block.call["name"] in self.custom else "fc_") + block.call["id"].removeprefix("call_")
+        return self.ids.setdefault(id(block), prefix + uuid.uuid4().hex)
+
+    def _closing(self) -> list[Block]:
+        """The blocks the output ends with: an answer without text or calls still has a message."""
+        return [] if self.blocks.of("text") or self.blocks.of("call") else [self.empty]
 
     def output(self) -> list[dict]:
-        """The completed output items: the message (unless the answer is only tool calls), then the calls."""
-        message = [self._message_item("completed")] if self.text or not self.calls else []
-        return message + [self._call_item(call, "completed") for call in self.calls]
+        """The completed output items."""
+        return [self._item(block, "completed") for block in self.blocks.blocks + self._closing()]
 
     def snapshot(self, status: Optional[str] = None) -> dict:
         output = self.output()
@@ -264,7 +302,9 @@ class _Response:
                 "input_tokens": last.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": last.cached_tokens},
                 "output_tokens": last.generation_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {
+                    "reasoning_tokens": self.api.reasoning_tokens(self.blocks.joined("reasoning"))
+                },
                 "total_tokens": last.prompt_tokens + last.generation_tokens,
                 "dflash": dflash,
             }
@@ -292,44 +332,53 @@ class _Response:
             "store": False,
         }
 
-    def _message_item(self, status: str) -> dict:
-        content = []
-        if status == "completed":
-            logprobs = self.api.token_logprobs(self.logprobs)
-            content = [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": logprobs}]
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+    def _part(self, block: Block, done: bool) -> dict:
+        if block.kind == "reasoning":
+            return {"type": "reasoning_text", "text": block.text if done else ""}
+        logprobs = self.api.token_logprobs(block.logprobs) if done else []
+        return {"type": "output_text", "text": block.text if done else "", "annotations": [], "logprobs": logprobs}
 
-    def _call_item(self, call: dict, status: str) -> dict:
-        """A call as its output item: a custom_tool_call for a custom tool, else a function_call
-        (in progress: its input or arguments still empty)."""
-        name, arguments, suffix = (
-            call["function"]["name"],
-            call["function"]["arguments"],
-            call["id"].removeprefix("call_"),
-        )
-        if name in self.custom:
-            kind, prefix, field, value = "custom_tool_call", "ctc_", "input", custom_input(arguments)
-        else:
-            kind, prefix, field, value = "function_call", "fc_", "arguments", arguments
-        item = {"type": kind, "id": prefix + suffix, "call_id": call["id"], "name": name}
-        return {**item, field: value if status == "completed" else "", "status": status}
+    def _item(self, block: Block, status: str) -> dict:
+        """A block as its output item (in progress: no content yet, a call's input still empty)."""
+        done = status == "completed"
+        if block.kind == "reasoning":
+            content = [self._part(block, True)] if done else []
+            return {"type": "reasoning", "id": self._id(block), "summary": [], "content": content, "status": status}
+        if block.kind == "text":
+            content = [self._part(block, True)] if done else []
+            return {"type": "message", "id": self._id(block), "status": status, "role": "assistant", "content": content}
+        call = block.call
+        arguments = call["arguments"] if done else ""
+        item = {"id": self._id(block), "call_id": call["id"], "name": call["name"], "status": status}
+        if call["name"] in self.custom:
+            return {"type": "custom_tool_call", **item, "input": custom_input(arguments) if done else ""}
+        return {"type": "function_call", **item, "arguments": arguments}
 
     def prefill_next_turn(self) -> None:
         """Once the response is complete: the conversation with its output items, as the client
         sends them back as input, prefilled while it acts on them (Server.prefill_next_turn)."""
         if self.last is not None and self.last.finish_reason:
             answer = input_messages(self.output())
-            self.api.server.prefill_next_turn(self.messages + answer, self.tools)
+            self.api.server.follow_up(self.messages + answer, self.tools, self.template)
 
     async def run(self, job, first):
-        """Consume the engine's events; yields the text shown at each."""
-        server = self.api.server
-        async for self.last, shown, self.calls in with_tool_calls(
-            server.events(job, first, (self.messages, self.tools)), server.tokenizer, self.tools
-        ):
-            self.logprobs += self.last.logprobs or []
-            self.text += shown
-            yield shown
+        """Consume the engine's events; yields the block steps (answer.Blocks.add) at each, the
+        step's logprobs on its first piece of text (a step with none passes them on; a step of
+        reasoning drops them: they are not the text's)."""
+        server, pending = self.api.server, []
+        chat = (self.messages, self.tools, self.template)
+        async for self.last, events in answer_events(server.events(job, first, chat), self.parser):
+            steps = [step for event in events for step in self.blocks.add(event)]
+            steps += self.blocks.stop() if self.last.finish_reason else []
+            pending += self.last.logprobs or []
+            texts = [block for step, block, _ in steps if step == "delta" and block.kind == "text"]
+            self.step_logprobs = []
+            if texts:
+                texts[0].logprobs += pending
+                self.step_logprobs, pending = pending, []
+            elif any(step == "delta" for step, _, _ in steps):
+                pending = []
+            yield steps
 
     def _event(self, kind: str, **fields) -> str:
         self.sequence += 1
@@ -339,61 +388,56 @@ class _Response:
             + "\n\n"
         )
 
-    def _call_events(self, index: int, call: dict):
-        """A call's output item, added, its input (custom tool) or arguments (function) in one
-        delta, then done."""
-        item = self._call_item(call, "completed")
-        where = {"item_id": item["id"], "output_index": index}
-        yield self._event("response.output_item.added", output_index=index, item=self._call_item(call, "in_progress"))
-        if item["type"] == "custom_tool_call":
+    def _block_events(self, step: str, block: Block, text: str, index: int):
+        """A block's events: its item added (and its content part), its deltas, then done."""
+        where = {"item_id": self._id(block), "output_index": index}
+        if step == "start":
+            yield self._event("response.output_item.added", output_index=index, item=self._item(block, "in_progress"))
+            if block.kind != "call":
+                part = self._part(block, False)
+                part.pop("logprobs", None)
+                yield self._event("response.content_part.added", **where, content_index=0, part=part)
+        elif step == "delta" and block.kind == "reasoning":
+            yield self._event("response.reasoning_text.delta", **where, content_index=0, delta=text)
+        elif step == "delta" and block.kind == "text":
+            logprobs = self.api.token_logprobs(self.step_logprobs)
+            self.step_logprobs = []
+            yield self._event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=logprobs)
+        elif step == "delta" and block.call["name"] not in self.custom:
+            yield self._event("response.function_call_arguments.delta", **where, delta=text)
+        elif step == "stop":
+            yield from self._done_events(block, where)
+
+    def _done_events(self, block: Block, where: dict):
+        item = self._item(block, "completed")
+        if block.kind == "reasoning":
+            yield self._event("response.reasoning_text.done", **where, content_index=0, text=block.text)
+        elif block.kind == "text":
+            yield self._event("response.output_text.done", **where, content_index=0, text=block.text, logprobs=[])
+        elif item["type"] == "custom_tool_call":  # a custom tool's input: whole, once its call is
             yield self._event("response.custom_tool_call_input.delta", **where, delta=item["input"])
             yield self._event("response.custom_tool_call_input.done", **where, input=item["input"])
         else:
-            yield self._event("response.function_call_arguments.delta", **where, delta=item["arguments"])
-            yield self._event(
-                "response.function_call_arguments.done", **where, arguments=item["arguments"], name=item["name"]
-            )
-        yield self._event("response.output_item.done", output_index=index, item=item)
+            done = {"arguments": item["arguments"], "name": item["name"]}
+            yield self._event("response.function_call_arguments.done", **where, **done)
+        if block.kind != "call":
+            yield self._event("response.content_part.done", **where, content_index=0, part=item["content"][0])
+        yield self._event("response.output_item.done", output_index=where["output_index"], item=item)
 
     async def stream(self, job, first):
         try:
             yield self._event("response.created", response=self.snapshot("in_progress"))
             yield self._event("response.in_progress", response=self.snapshot("in_progress"))
-            opened = False
-            where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-            async for shown in self.run(job, first):
-                if shown and not opened:
-                    opened = True
-                    yield self._event(
-                        "response.output_item.added", output_index=0, item=self._message_item("in_progress")
-                    )
-                    yield self._event(
-                        "response.content_part.added",
-                        item_id=self.message_id,
-                        output_index=0,
-                        content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": []},
-                    )
-                if shown:
-                    yield self._event(
-                        "response.output_text.delta",
-                        **where,
-                        delta=shown,
-                        logprobs=self.api.token_logprobs(self.last.logprobs or []),
-                    )
-            if opened or not self.calls:
-                if not opened:  # an empty answer is still a message
-                    yield self._event(
-                        "response.output_item.added", output_index=0, item=self._message_item("in_progress")
-                    )
-                item = self._message_item("completed")
-                yield self._event("response.output_text.done", **where, text=self.text, logprobs=[])
-                yield self._event("response.content_part.done", **where, part=item["content"][0])
-                yield self._event("response.output_item.done", output_index=0, item=item)
-            first_call = 1 if (opened or not self.calls) else 0
-            for index, call in enumerate(self.calls, start=first_call):
-                for event in self._call_events(index, call):
-                    yield event
+            indexes = {}  # a block's output index: its place among the items
+            async for steps in self.run(job, first):
+                for step, block, text in steps:
+                    index = indexes.setdefault(id(block), len(indexes))
+                    for event in self._block_events(step, block, text, index):
+                        yield event
+            for block in self._closing():  # an empty answer is still a message
+                for step in ("start", "stop"):
+                    for event in self._block_events(step, block, "", len(indexes)):
+                        yield event
             final = self.snapshot()
             yield self._event(
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final

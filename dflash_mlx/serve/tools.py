@@ -1,5 +1,7 @@
-"""Tool calls in generated text, parsed with the tool parser mlx-lm picks for the
-tokenizer (Qwen3 / Qwen3.5 `<tool_call>{json}</tool_call>` is mlx-lm's json_tools).
+"""Tool-call syntaxes: the tool parser mlx-lm picks for the tokenizer (Qwen3's
+`<tool_call>{json}</tool_call>` is mlx-lm's json_tools, Qwen3-Coder's and Qwen3.5's XML calls
+qwen3_coder, Gemma 4's gemma4), and gpt-oss's harmony messages.  Calls are read out of the
+streamed answer by answer.AnswerParser; answer.ToolCalls reads them out of text alone.
 
 A tokenizer without tool calling (a chat template that does not render tools, such
 as SmolLM2's) gets the same `<tool_call>{json}</tool_call>` convention: the tools are
@@ -7,11 +9,12 @@ described in the system turn (`fallback_tool_prompt`) and calls are parsed with
 mlx-lm's json_tools parser."""
 
 import json
-import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 from mlx_lm.tool_parsers import json_tools
+
+HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,24 @@ class CallSyntax:
     native: bool
 
 
+def is_harmony(tokenizer) -> bool:
+    """Whether the tokenizer writes OpenAI's harmony format (gpt-oss), which mlx-lm does not parse:
+    its message tokens are in the vocabulary."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return HARMONY_CHANNEL in added and HARMONY_MESSAGE in added
+
+
+def _harmony_call(body: str, tools=None) -> dict:
+    """A harmony call's body: its arguments' JSON (the function is named in the message header)."""
+    return {"arguments": json.loads(body)}
+
+
 def call_syntax(tokenizer) -> CallSyntax:
-    """The tool-call syntax ToolCalls parses for `tokenizer` (and forced_tools' grammars write)."""
+    """The tool-call syntax ToolCalls parses for `tokenizer` (and forced_tools' grammars write).
+    Harmony's calls are messages (families.HarmonyFamily reads them): its syntax names the
+    commentary channel and the call's end."""
+    if is_harmony(tokenizer):
+        return CallSyntax(HARMONY_CHANNEL, "<|call|>", _harmony_call, "harmony", True)
     if getattr(tokenizer, "has_tool_calling", False):
         parse = tokenizer.tool_parser
         name = parse.__module__.rsplit(".", 1)[-1]
@@ -63,81 +82,3 @@ def render_tool_call(call: dict) -> str:
             pass
     body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
     return json_tools.tool_call_start + body + json_tools.tool_call_end
-
-
-class ToolCalls:
-    """Splits streamed text into content and tool calls.
-
-    `push(text)` returns the text that is safe to show now: everything before a
-    tool-call start marker (and before any partial marker at the end);
-    `finish()` returns (remaining content, parsed tool calls)."""
-
-    def __init__(self, tokenizer, tools: Optional[list]):
-        self.enabled = bool(tools)
-        syntax = call_syntax(tokenizer) if self.enabled else None
-        self.start = syntax.start if syntax else None
-        self.end = syntax.end if syntax else None
-        self.parse = syntax.parse if syntax else None
-        self.tools = tools
-        self.text = ""
-        self.shown = 0
-
-    def push(self, text: str) -> str:
-        self.text += text
-        if not self.enabled:
-            self.shown = len(self.text)
-            return text
-        cut = self.text.find(self.start, self.shown)
-        if cut < 0:  # hold back a tail that could be the start of a marker
-            cut = len(self.text)
-            for k in range(min(len(self.start) - 1, len(self.text) - self.shown), 0, -1):
-                if self.start.startswith(self.text[-k:]):
-                    cut = len(self.text) - k
-                    break
-        out = self.text[self.shown : max(cut, self.shown)]
-        self.shown = max(cut, self.shown)
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        rest = self.text[self.shown :]
-        if not self.enabled:
-            return rest, []
-        content, calls = [], []
-        while True:
-            start = rest.find(self.start)
-            if start < 0:
-                content.append(rest)
-                break
-            content.append(rest[:start])
-            end = rest.find(self.end, start + len(self.start)) if self.end else -1
-            body = rest[start + len(self.start) : end if end >= 0 else len(rest)]
-            rest = rest[end + len(self.end) :] if end >= 0 else ""
-            try:
-                parsed = self.parse(body, self.tools)
-            except Exception:  # unparseable: keep it as text rather than lose it
-                content.append(self.start + body + (self.end or ""))
-                continue
-            for call in parsed if isinstance(parsed, list) else [parsed]:
-                calls.append(
-                    {
-                        "id": f"call_{uuid.uuid4().hex[:24]}",
-                        "type": "function",
-                        "function": {
-                            "name": call["name"],
-                            "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
-                        },
-                    }
-                )
-        return "".join(content), calls
-
-
-async def with_tool_calls(events, tokenizer, tools: Optional[list]):
-    """The engine's responses, each with the text safe to show at it and, at the one with a
-    finish_reason, the parsed tool calls (an empty list before)."""
-    calls = ToolCalls(tokenizer, tools)
-    async for response in events:
-        shown, parsed = calls.push(response.text), []
-        if response.finish_reason:
-            rest, parsed = calls.finish()
-            shown += rest
-        yield response, shown, parsed
