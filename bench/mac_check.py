@@ -1,140 +1,422 @@
-"""One command for a Mac owner: do dflash-mlx's Metal kernels agree with their MLX twins and
-are they faster, what does a verify pass cost on this GPU, and how fast is DFlash against plain
-mlx-lm here?
+"""One command for a Mac owner, that always ends with a report: what this machine is, whether
+dflash-mlx's Metal kernels agree with their MLX twins and beat them at the published models'
+real shapes, whether greedy DFlash equals plain decoding, and how fast DFlash is against plain
+mlx-lm here.
 
-    python bench/mac_check.py [--repeats 20] [--model M] [--prompts 6] [--max-tokens 128]
+    python bench/mac_check.py [--quick] [--model M] [--gdn-model Qwen3.5-4B] [--prompts 4]
+        [--max-tokens 128] [--out bench/results/mac-check]
 
-Prints, as markdown to paste into an issue: kernel parity (max relative error, kernel vs twin,
-for the drafter's block attention at head_dim 64/128/256 in fp32/fp16/bf16, widths 1/4/16,
-bidirectional and causal, and the GatedDeltaNet tape in fp32/bf16); kernel speed (fused
-attention vs concat + SDPA, tape replay vs re-running the recurrence); the verify cost curve of
-the 4-bit target (a target pass of 1-16 tokens on a 1k-token cache, and the drafter's pass:
-what the adaptive plan decides on); and DFlash against plain mlx-lm on a few prompts (tok/s,
-speedup, tau, peak memory).  Exit status 1 if any parity check fails.  Nobody on the project
-has run it on Apple hardware yet.
+Each section runs on its own: an error becomes that section's result (its one-line text) and the
+next section runs.  report.md (to paste into an issue) and report.json are rewritten in --out
+after every section, so a partial report is there whatever fails.  Sections:
+
+    environment         doctor's facts: chip, memory, versions, Metal, kernels, BLAS, caches
+    kernel_self_checks  each kernel against its twin at the published pairs' real shapes
+                        (verdict, max rel. error, kernel and twin ms): Metal only
+    lossless_greedy     greedy DFlash vs plain mlx-lm, token for token; on a GPU a first
+                        difference at a near-tie (top-2 logits within a few ulps) is allowed
+    speed               tok/s of plain mlx-lm and of DFlash at widths 4, 8, 16 and adaptive
+    cost_curve          the verify cost curve the adaptive plan decides on (target and drafter)
+    gated_delta_target  lossless and speed on a GatedDeltaNet target (--gdn-model, 4-bit) when
+                        memory allows: Metal only
+    kernel_decisions    what the self-check decided for every kernel call the decoding made
+
+Without Metal the Metal-only sections say "skipped: no Metal".  Exit status 1 if a section
+failed or raised.
 """
 
+import json
+import math
+import statistics
 import sys
-import tempfile
-from typing import Optional
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
 
 import typer
+from huggingface_hub import try_to_load_from_cache
 
 import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 
 from dflash_mlx import load
+from dflash_mlx.api import doctor, format_prompt
+from dflash_mlx.api.registry import DEFAULT_DRAFT, PUBLISHED
+from dflash_mlx.bench.harness import run_dflash, run_plain
+from dflash_mlx.bench.prompt_sets import mixed_prompts
 from dflash_mlx.kernels import metal as kernels
-from dflash_mlx.bench.harness import run_bench
-from dflash_mlx.decode.costs import measure_costs
+from dflash_mlx.kernels.fused_ops import unfused
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kernels import attention_rows, rollback_rows  # noqa: E402  (bench/kernels.py, the speed tables)
+sys.path.insert(0, str(Path(__file__).parent))
+from lossless_real import PROMPT_SETS, dflash_tokens, plain_tokens  # noqa: E402  (bench/lossless_real.py)
 
+# real shapes where the published configs are known without a download; a pair whose configs are
+# in the local Hugging Face cache adds its own (cached_shapes)
+ATTENTION_SHAPES = {"Qwen3-4B / Qwen3-8B drafters": (32, 8, 128)}  # (query heads, kv heads, head dim)
+TAPE_SHAPES = {"Qwen3.5-9B": (16, 32, 128, 128)}  # GatedDeltaNet (key heads, value heads, key dim, value dim)
+WIDTHS = (4, 8, 16)
 CONTEXTS = (1024, 4096)
-TOLERANCE = {mx.float32: 1e-4, mx.float16: 2e-2, mx.bfloat16: 2e-2}  # GPU exp is not correctly rounded
+NEAR_TIE_ULPS = 4  # a first difference within this many ulps of the top logit is a near-tie
+MANTISSA_BITS = {mx.float32: 23, mx.float16: 10, mx.bfloat16: 7}
 
 
-def relative_error(got: mx.array, want: mx.array) -> float:
-    got, want = got.astype(mx.float32), want.astype(mx.float32)
-    return float(mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-30))
+class Skipped(Exception):
+    """A section that does not apply here; its message says why."""
 
 
-def attention_parity(contexts=CONTEXTS, head_dims=(64, 128, 256), dtypes=tuple(TOLERANCE), widths=(1, 4, 16), run=None):
-    """Rows (context, head_dim, dtype, width, causal, error, ok) of the block attention kernel vs its twin."""
-    run = run or kernels.run_metal
+@dataclass
+class Outcome:
+    rows: list[dict] = field(default_factory=list)
+    failed: bool = False
+    note: str = ""
+
+
+@dataclass
+class Section:
+    name: str
+    status: str  # ok, failed, skipped: <why>, error: <exception>
+    rows: list[dict] = field(default_factory=list)
+    note: str = ""
+    seconds: float = 0.0
+
+
+# ------------------------------------------------------------------ the report
+
+
+class Report:
+    """Sections run one by one, each in its own try; the files are rewritten after each."""
+
+    def __init__(self, out: Path, command: str):
+        self.out, self.command = out, command
+        self.sections: list[Section] = []
+
+    def run(self, name: str, check: Callable[[], Outcome]) -> Section:
+        tic = time.perf_counter()
+        try:
+            outcome = check()
+            section = Section(name, "failed" if outcome.failed else "ok", outcome.rows, outcome.note)
+        except Skipped as why:
+            section = Section(name, f"skipped: {why}")
+        except Exception as e:  # the section's result, and the next section runs
+            section = Section(name, f"error: {kernels.one_line(e)}")
+        section.seconds = round(time.perf_counter() - tic, 1)
+        self.sections.append(section)
+        self.write()
+        return section
+
+    @property
+    def failed(self) -> bool:
+        return any(s.status == "failed" or s.status.startswith("error") for s in self.sections)
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        data = {"command": self.command, "sections": [asdict(s) for s in self.sections]}
+        (self.out / "report.json").write_text(json.dumps(data, indent=1, default=str))
+        (self.out / "report.md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        lines = [f"# dflash-mlx Mac check\n\n`{self.command}`"]
+        for s in self.sections:
+            lines.append(f"\n## {s.name}: {s.status} ({s.seconds} s)\n")
+            if s.note:
+                lines.append(f"{s.note}\n")
+            if s.rows:
+                lines.append(table(s.rows))
+        return "\n".join(lines) + "\n"
+
+
+def table(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value).replace("|", "\\|")
+
+
+def needs_metal() -> None:
+    if kernels.use_metal():
+        return
+    if mx.metal.is_available():
+        raise Skipped("the Metal kernels are off here (DFLASH_MLX_KERNELS=mlx, or the CPU is MLX's default device)")
+    raise Skipped("no Metal")
+
+
+# ------------------------------------------------------------------ sections
+
+
+def environment() -> Outcome:
+    return Outcome([{"item": key, "value": value} for key, value in flat(doctor.report()).items()])
+
+
+def flat(facts: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in facts.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = ", ".join(map(str, value)) if isinstance(value, list) else value
+    return out
+
+
+def real_shapes() -> tuple[dict, dict]:
+    """(attention shapes, GatedDeltaNet shapes) by model: the built-in ones, the shipped
+    default drafter's, and those of every published pair whose configs are cached here."""
+    attention, tape = dict(ATTENTION_SHAPES), dict(TAPE_SHAPES)
+    default = json.loads((DEFAULT_DRAFT / "config.json").read_text())
+    attention["SmolLM2-135M drafter"] = attention_shape(default)
+    for name, pair in PUBLISHED.items():
+        draft, target = cached_config(pair.draft), cached_config(pair.target)
+        if draft and attention_shape(draft):
+            attention[f"{name} drafter"] = attention_shape(draft)
+        if target and tape_shape(target):
+            tape[name] = tape_shape(target)
+    return attention, tape
+
+
+def cached_config(repo: str) -> Optional[dict]:
+    """A repo's config where the Hugging Face cache holds it already (never a download)."""
+    path = try_to_load_from_cache(repo, "config.json")
+    if not isinstance(path, str):
+        return None
+    config = json.loads(Path(path).read_text())
+    return config.get("text_config", config)  # Qwen3.5's configs nest the language model's
+
+
+def attention_shape(config: dict) -> Optional[tuple]:
+    heads = config.get("num_attention_heads")
+    if not heads:
+        return None
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return heads, config.get("num_key_value_heads", heads), head_dim
+
+
+def tape_shape(config: dict) -> Optional[tuple]:
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    return tuple(config[k] for k in keys) if all(k in config for k in keys) else None
+
+
+def kernel_self_checks(quick: bool, shapes: Optional[tuple[dict, dict]] = None) -> Outcome:
+    """Each kernel against its twin (kernels.prove, what decoding runs at a shape class's first
+    use) on random inputs of the real shapes, in bf16 (what a Mac runs)."""
+    needs_metal()
+    attention, tape = shapes or real_shapes()
+    widths, contexts = ((16,), (1024,)) if quick else (WIDTHS, CONTEXTS)
     rows = []
-    for context in contexts:
-        for D in head_dims:
-            for dtype in dtypes:
-                for L in widths:
-                    for causal in (False, True):
-                        q, k, v = (mx.random.normal((1, h, L, D)).astype(dtype) for h in (8, 2, 2))
-                        ck, cv = (mx.random.normal((1, 2, context + 16, D)).astype(dtype) for _ in range(2))
-                        span = kernels.ContextSpan(ck, cv, 5, context)
-                        want = kernels.block_attention_mlx(q, k, v, span, scale=D**-0.5, causal=causal)
-                        got = run(kernels.block_attention_launch(q, k, v, span, scale=D**-0.5, causal=causal))[0]
-                        error = relative_error(got, want)
-                        rows.append((context, D, dtype, L, causal, error, error < TOLERANCE[dtype]))
-    return rows
-
-
-def tape_parity(dtypes=(mx.float32, mx.bfloat16), widths=(1, 4, 16), run=None):
-    """Rows (dtype, width, error, ok) of the GatedDeltaNet tape kernel vs its twin (worst output)."""
-    run = run or kernels.run_metal
-    rows = []
-    for dtype in dtypes:
+    for model, (HQ, HKV, D) in attention.items():
+        for context in contexts:
+            for L in widths:
+                rows.append(guarded(model, "block_attention", lambda: attention_check(model, HQ, HKV, D, L, context)))
+    for model, (HK, HV, DK, DV) in tape.items():
         for T in widths:
-            B, HK, HV, DK, DV = 1, 4, 8, 128, 128
-            q, k = ((mx.random.normal((B, T, HK, DK)) * DK**-0.5).astype(dtype) for _ in range(2))
-            v = mx.random.normal((B, T, HV, DV)).astype(dtype)
-            g, beta = mx.random.uniform(0.3, 1.0, (B, T, HV)), mx.random.uniform(0.0, 1.0, (B, T, HV))
-            state = mx.random.normal((B, HV, DV, DK)) * 0.5
-            got = run(kernels.gated_delta_tape_launch(q, k, v, g, beta, state))
-            want = kernels.gated_delta_tape_mlx(q, k, v, g, beta, state)
-            error = max(relative_error(a, b) for a, b in zip(got, want))
-            rows.append((dtype, T, error, error < TOLERANCE[dtype]))
-    return rows
+            rows.append(guarded(model, "gated_delta_tape", lambda: tape_check(model, HK, HV, DK, DV, T)))
+    return Outcome(rows, failed=any(r["verdict"] in ("disagrees", "failed") for r in rows))
 
 
-def verify_curve(pair, context: int = 1024, widths=(1, 2, 4, 8, 16), repeats: int = 5) -> list[tuple]:
-    """Rows (width, target pass ms, drafter pass ms at that width) on a `context`-token cache."""
-    cost = measure_costs(pair.target, pair.draft, context=context, widths=widths, repeats=repeats)
-    return [(w, 1e3 * cost.verify(w), 1e3 * cost.drafter_pass(w) if w > 1 else 0.0) for w in widths]
+def guarded(model: str, kernel: str, check: Callable[[], dict]) -> dict:
+    """One shape's row; an error there (a shape the launch refuses, the twin out of memory) is
+    that row's result, and the other shapes are still checked."""
+    try:
+        return check()
+    except Exception as e:
+        return {"model": model, "kernel": kernel, "verdict": "failed", "why": kernels.one_line(e)}
 
 
-def end_to_end(pair, tokenizer, prompts: int = 6, max_tokens: int = 128, out: Optional[str] = None) -> list[dict]:
-    """The benchmark harness's summary over `prompts` prompts of the mixed sets, greedy and
-    sampled, plain mlx-lm and DFlash interleaved: one row per mode (medians; bench/harness.py)."""
-    with tempfile.TemporaryDirectory() as scratch:
-        sets = ["gsm8k", "humaneval", "mtbench"]
-        results = run_bench(
-            pair, tokenizer, sets, -(-prompts // len(sets)), max_tokens, ["greedy", "sampled"], out or scratch
+def attention_check(model: str, HQ: int, HKV: int, D: int, L: int, context: int, dtype=mx.bfloat16) -> dict:
+    q, k, v = (mx.random.normal((1, h, L, D)).astype(dtype) for h in (HQ, HKV, HKV))
+    ck, cv = (mx.random.normal((1, HKV, context + 64, D)).astype(dtype) for _ in range(2))
+    span = kernels.ContextSpan(ck, cv, 0, context)
+    launch = kernels.block_attention_launch(q, k, v, span, scale=D**-0.5)
+    decision, _ = kernels.prove(launch, lambda: [kernels.block_attention_mlx(q, k, v, span, scale=D**-0.5)], dtype)
+    return check_row(model, "block_attention", kernels.attention_class(q, k, span, False, None), decision)
+
+
+def tape_check(model: str, HK: int, HV: int, DK: int, DV: int, T: int, dtype=mx.bfloat16) -> dict:
+    q, k = ((mx.random.normal((1, T, HK, DK)) * DK**-0.5).astype(dtype) for _ in range(2))
+    v = mx.random.normal((1, T, HV, DV)).astype(dtype)
+    g, beta = mx.random.uniform(0.3, 1.0, (1, T, HV)), mx.random.uniform(0.0, 1.0, (1, T, HV))
+    state = mx.random.normal((1, HV, DV, DK)) * 0.5
+    launch = kernels.gated_delta_tape_launch(q, k, v, g, beta, state)
+    decision, _ = kernels.prove(launch, lambda: kernels.gated_delta_tape_mlx(q, k, v, g, beta, state), dtype)
+    return check_row(model, "gated_delta_tape", kernels.tape_class(q, k, v), decision)
+
+
+def check_row(model: str, kernel: str, shape_class: str, decision: kernels.Decision) -> dict:
+    return {
+        "model": model,
+        "kernel": kernel,
+        "shape class": shape_class,
+        "verdict": decision.verdict,
+        "max rel. error": decision.max_error,
+        "kernel ms": decision.kernel_ms,
+        "twin ms": decision.twin_ms,
+        "why": decision.reason,
+    }
+
+
+def lossless(pair, tokenizer, prompts: list[str], max_tokens: int) -> Outcome:
+    """Greedy DFlash (the adaptive plan) against plain mlx-lm.  On a CPU the claim is token for
+    token; on a GPU a verify pass runs other kernels and wider matmuls than a plain step, so a
+    first difference is allowed where the reference's top-2 logits are a near-tie."""
+    on_gpu = mx.default_device() == mx.gpu
+    rows = []
+    for i, text in enumerate(prompts):
+        prompt = format_prompt(tokenizer, text)
+        reference = plain_tokens(pair, prompt, max_tokens)
+        ours, tau = dflash_tokens(pair, prompt, max_tokens, None)
+        first = next((j for j, (a, b) in enumerate(zip(reference, ours)) if a != b), None)
+        row = {"prompt": i, "tokens": len(reference), "tau": tau, "first difference": first}
+        if first is None:
+            row["verdict"] = "identical"
+        else:
+            gap, ulps = top2_gap(pair, prompt + reference[:first])
+            row.update({"top-2 gap": gap, "gap in ulps": ulps})
+            row["verdict"] = "near-tie" if on_gpu and ulps <= NEAR_TIE_ULPS else "DIFFERENT"
+        rows.append(row)
+    claim = f"a first difference only at a near-tie (<= {NEAR_TIE_ULPS} ulps)" if on_gpu else "token for token"
+    return Outcome(rows, any(r["verdict"] == "DIFFERENT" for r in rows), f"claim here: {claim}")
+
+
+def top2_gap(pair, prefix: list[int]) -> tuple[float, float]:
+    """The reference's top-2 logit gap after `prefix`, and that gap in ulps of the top logit (in
+    the dtype the logits are computed in)."""
+    with unfused(pair.target.model):
+        logits = pair.target.model(mx.array(prefix)[None])[0, -1]
+    second, first = (float(x) for x in mx.sort(logits.astype(mx.float32))[-2:])
+    ulp = 2.0 ** (math.floor(math.log2(abs(first) or 1.0)) - MANTISSA_BITS.get(logits.dtype, 23))
+    return first - second, (first - second) / ulp
+
+
+def speed(pair, tokenizer, prompts: list[str], max_tokens: int, warm_up: bool = True) -> Outcome:
+    """Greedy tok/s of plain mlx-lm (stream_generate) and of DFlash at each fixed width and
+    adaptive, on the same prompts (medians over prompts); after a warm-up of each, where each
+    width's shapes are traced and its kernels self-checked, unless told otherwise (--quick)."""
+    widths = [w for w in WIDTHS if w <= pair.draft.block_size] + [None]
+    if warm_up:
+        warm = format_prompt(tokenizer, "Hello!")
+        run_plain(pair, tokenizer, warm, 8, "greedy", 0)
+        for w in widths:
+            run_dflash(pair, tokenizer, warm, 8, "greedy", 0, w)
+    runs = {w: [] for w in widths}
+    for i, text in enumerate(prompts):
+        prompt = format_prompt(tokenizer, text)
+        plain = run_plain(pair, tokenizer, prompt, max_tokens, "greedy", i)
+        for w in widths:
+            runs[w].append((plain, run_dflash(pair, tokenizer, prompt, max_tokens, "greedy", i, w)))
+    rows = []
+    for w, pairs in runs.items():
+        median = statistics.median
+        rows.append(
+            {
+                "width": w or "adaptive",
+                "plain tok/s": median(p.generation_tps for p, _ in pairs),
+                "DFlash tok/s": median(d.generation_tps for _, d in pairs),
+                "speedup": median(d.generation_tps / max(p.generation_tps, 1e-9) for p, d in pairs),
+                "tau": median(d.tau for _, d in pairs),
+                "peak GB plain / DFlash": f"{max(p.peak_memory_gb for p, _ in pairs):.2f} / "
+                f"{max(d.peak_memory_gb for _, d in pairs):.2f}",
+            }
         )
-    return [row for row in results["summary"] if row["set"] == "all"]
+    note = f"{len(prompts)} prompt(s), {max_tokens} tokens, greedy" + ("" if warm_up else ", no warm-up (rough)")
+    return Outcome(rows, note=note)
+
+
+def cost_curve(pair) -> Outcome:
+    if pair.planner is None:
+        raise Skipped("no adaptive plan (no drafter)")
+    cost = pair.planner.cost
+    rows = [
+        {"width": w, "target pass ms": 1e3 * cost.verify(w), "drafter pass ms": 1e3 * cost.drafter_pass(w)}
+        for w in (1, 2, 4, 8, 16)
+    ]
+    return Outcome(rows, note=cost.describe())
+
+
+def gated_delta_target(model: str, prompts: list[str], max_tokens: int) -> Outcome:
+    """Lossless and speed on a GatedDeltaNet target, 4-bit, where this Mac's memory allows."""
+    needs_metal()
+    if model.lower() == "none":
+        raise Skipped("--gdn-model none")
+    plan = doctor.model_plan(model, 4)
+    if plan["fits"] == "no":
+        raise Skipped(f"{model} 4-bit needs ~{plan['footprint_gib']} GiB, {plan['usable_gib']} GiB usable here")
+    pair, tokenizer = load(model, quant=4)
+    if pair.target.model_type not in ("qwen3_5", "qwen3_next"):
+        raise Skipped(f"{model} is a {pair.target.model_type} model, not a GatedDeltaNet one")
+    checked = lossless(pair, tokenizer, prompts, max_tokens)
+    timed = speed(pair, tokenizer, prompts, max_tokens)
+    rows = [{"check": "lossless", **r} for r in checked.rows] + [{"check": "speed", **r} for r in timed.rows]
+    return Outcome(rows, checked.failed, f"{model} 4-bit; {checked.note}")
+
+
+def kernel_decisions() -> Outcome:
+    """What the self-check decided for the kernel calls this run's decoding made (and earlier
+    runs on this machine), as kept in the decisions file."""
+    needs_metal()
+    rows = [
+        {"kernel": kernel, "shape class": shape_class, "verdict": d.verdict, "why": d.reason}
+        for kernel, classes in kernels.choices.decided().items()
+        for shape_class, d in classes.items()
+    ]
+    failing = any(r["verdict"] in ("disagrees", "failed") for r in rows)
+    return Outcome(rows, failing, f"kept in {kernels.choices.path}")
+
+
+# ------------------------------------------------------------------ the command
+
+
+class Once:
+    """A value made at first use, or the error making it raised, which each later use raises
+    again (a model that fails to load fails every section that needs it, loaded once)."""
+
+    def __init__(self, make: Callable):
+        self.make, self.value, self.error = make, None, None
+
+    def __call__(self):
+        if self.error is not None:
+            raise self.error
+        if self.value is None:
+            try:
+                self.value = self.make()
+            except Exception as e:
+                self.error = e
+                raise
+        return self.value
 
 
 def main(
-    repeats: int = 20,
-    model: Optional[str] = typer.Option(None, "--model", help="Target (default: the offline SmolLM2, 4-bit)."),
-    prompts: int = typer.Option(6, "--prompts"),
+    model: Optional[str] = typer.Option(None, "--model", help="Target (default: the offline SmolLM2 + its drafter)."),
+    quant: Optional[int] = typer.Option(None, "--quant", help="4 or 8: the mlx-community target of a short name."),
+    gdn_model: str = typer.Option("Qwen3.5-4B", "--gdn-model", help="GatedDeltaNet target, 4-bit ('none': skip)."),
+    prompts: int = typer.Option(4, "--prompts"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
+    quick: bool = typer.Option(
+        False, "--quick", help="1 prompt, 8 tokens, fewer shapes and warm-ups: a rough report, fast."
+    ),
+    out: Path = typer.Option(Path("bench/results/mac-check"), "--out"),
 ):
-    if not kernels.use_metal():
-        raise SystemExit(
-            "bench/mac_check.py needs a Mac with Metal (and the GPU as MLX's default device); "
-            "this machine has neither, so only the MLX twins run here"
-        )
-    print(f"# dflash-mlx Metal kernels on {mx.metal.device_info().get('device_name', 'a Mac')}, mlx {mx.__version__}\n")
-    failures = 0
-    print("| context | head_dim | dtype | width | causal | max rel. error | ok |\n|---|---|---|---|---|---|---|")
-    for context, D, dtype, L, causal, error, ok in attention_parity():
-        failures += not ok
-        print(f"| {context} | {D} | {dtype} | {L} | {causal} | {error:.2e} | {'yes' if ok else 'NO'} |")
-    print("\n| tape dtype | width | max rel. error | ok |\n|---|---|---|---|")
-    for dtype, T, error, ok in tape_parity():
-        failures += not ok
-        print(f"| {dtype} | {T} | {error:.2e} | {'yes' if ok else 'NO'} |")
-    print("\n| context | concat + SDPA ms | fused kernel ms | speedup |\n|---|---|---|---|")
-    for context, concat, fused in attention_rows(repeats, contexts=CONTEXTS):
-        print(f"| {context} | {concat:.3f} | {fused:.3f} | {concat / fused:.2f}x |")
-    print("\n| accepted of 16 | re-run recurrence ms | tape replay ms | speedup |\n|---|---|---|---|")
-    for keep, rerun, replay in rollback_rows(repeats):
-        print(f"| {keep} | {rerun:.3f} | {replay:.3f} | {rerun / replay:.2f}x |")
-    pair, tokenizer = load(model, quant=4)
-    print(f"\n{model or 'SmolLM2-135M-Instruct'} 4-bit, 1k-token cache\n")
-    print("| width | target pass ms | drafter pass ms |\n|---|---|---|")
-    for width, verify, draft in verify_curve(pair):
-        print(f"| {width} | {verify:.2f} | {draft:.2f} |")
-    print("\n| mode | plain mlx-lm tok/s | DFlash tok/s | speedup (median) | tau | peak GB plain / DFlash |")
-    print("|---|---|---|---|---|---|")
-    for r in end_to_end(pair, tokenizer, prompts, max_tokens):
-        print(
-            f"| {r['mode']} | {r['plain_tps']:.1f} | {r['dflash_tps']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} "
-            f"| {r['plain_peak_gb']:.2f} / {r['dflash_peak_gb']:.2f} |"
-        )
-    print(f"\n{failures} parity failure(s)")
-    raise SystemExit(1 if failures else 0)
+    if quick:
+        prompts, max_tokens = 1, 8
+    report = Report(out, " ".join(["python bench/mac_check.py", *sys.argv[1:]]))
+    pair = Once(lambda: load(model, quant=quant))
+    texts = Once(lambda: mixed_prompts(PROMPT_SETS, prompts))
+    report.run("environment", environment)
+    report.run("kernel_self_checks", lambda: kernel_self_checks(quick))
+    report.run("lossless_greedy", lambda: lossless(*pair(), texts(), max_tokens))
+    report.run("speed", lambda: speed(*pair(), texts(), max_tokens, warm_up=not quick))
+    report.run("cost_curve", lambda: cost_curve(pair()[0]))
+    report.run("gated_delta_target", lambda: gated_delta_target(gdn_model, texts(), max_tokens))
+    report.run("kernel_decisions", kernel_decisions)
+    print(report.markdown())
+    print(f"report in {out / 'report.md'} and {out / 'report.json'}: please paste report.md into an issue")
+    raise SystemExit(1 if report.failed else 0)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ of the MSL features they use, against their pure-MLX twins; plus Mac-only
 parity/speed tests (skipped elsewhere, with the reason)."""
 
 import hashlib
+import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -259,6 +261,7 @@ def test_one_compiled_attention_kernel_serves_every_width(monkeypatch, D, dtype)
     without a Metal device): real head sizes and dtypes, widths 1-16, one Metal library for all
     of them (the width is a run-time value), threadgroups within Metal's limits."""
     monkeypatch.setattr(kernels, "use_metal", lambda: True)
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "metal")  # unchecked: a self-check cannot run inside a recording
     names = set()
     for L in range(1, 17):
         q, k, v, span = attention_inputs(1, 16, 4, L, D, 40, dtype)
@@ -289,13 +292,15 @@ def test_one_compiled_tape_kernel_serves_every_width(DK, dtype):
     assert len(launches) == 1
 
 
-def test_head_dims_beyond_threadgroup_memory_use_the_twin(monkeypatch):
+def test_head_dims_beyond_threadgroup_memory_use_the_twin(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "use_metal", lambda: True)
     assert kernels.attention_tiling(1024, mx.float32) is None and kernels.attention_tiling(1024, mx.bfloat16)
     q, k, v, span = attention_inputs(1, 2, 1, 2, 1024, 3, mx.float32)
-    kernels._warn_once.cache_clear()
-    with pytest.warns(UserWarning, match="threadgroup memory"):
+    kernels._say_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="dflash_mlx.kernels"):
         out = kernels.block_attention(q, k, v, span, scale=0.05)
+        kernels.block_attention(q, k, v, span, scale=0.05)
+    assert len(caplog.records) == 1 and "threadgroup memory" in caplog.records[0].getMessage()  # said once
     assert relative_error(out, kernels.block_attention_mlx(q, k, v, span, scale=0.05)) == 0
 
 
@@ -317,6 +322,7 @@ def emulated_kernels(monkeypatch, emulator):
         return run_emulated(launch)
 
     monkeypatch.setattr(kernels, "use_metal", lambda: True)
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "metal")  # unchecked: the emulator is far slower than the twins
     monkeypatch.setattr(kernels, "run_metal", run)
     return calls
 
@@ -353,12 +359,13 @@ def test_backend_flag(monkeypatch):
         assert kernels.use_metal() is False
 
 
-def test_unsupported_head_dim_uses_the_twin_and_says_so(monkeypatch):
+def test_unsupported_head_dim_uses_the_twin_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "use_metal", lambda: True)
     q, k, v, span = attention_inputs(1, 2, 2, 3, 48, 5, mx.float32)
-    kernels._warn_once.cache_clear()
-    with pytest.warns(UserWarning, match="head_dim % 32"):
+    kernels._say_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="dflash_mlx.kernels"):
         out = kernels.block_attention(q, k, v, span, scale=0.1)
+    assert len(caplog.records) == 1 and "head_dim % 32" in caplog.records[0].getMessage()
     assert relative_error(out, kernels.block_attention_mlx(q, k, v, span, scale=0.1)) == 0
 
 
@@ -370,30 +377,76 @@ def mac_check(monkeypatch):
     return mac_check
 
 
-def test_mac_check_refuses_without_metal(mac_check, monkeypatch):
+def test_mac_check_self_checks_through_the_emulator(mac_check, emulator, monkeypatch):
+    """The Mac check's kernel section, with the emulator standing in for the GPU: the kernels agree
+    with their twins (slower, as an emulator is), and a kernel that computes something else is
+    reported as disagreeing and fails the section."""
+    monkeypatch.setattr(kernels, "use_metal", lambda: True)
+    monkeypatch.setattr(kernels, "run_metal", run_emulated)
+    shapes = ({"small": (4, 2, 64)}, {"small": (2, 4, 64, 16)})
+    outcome = mac_check.kernel_self_checks(quick=True, shapes=shapes)
+    assert [r["kernel"] for r in outcome.rows] == ["block_attention", "gated_delta_tape"]
+    assert not outcome.failed and all(r["max rel. error"] < 2e-2 for r in outcome.rows)
+    monkeypatch.setattr(kernels, "run_metal", lambda launch: [mx.zeros(s, d) for s, d in launch.outputs.values()])
+    wrong = mac_check.kernel_self_checks(quick=True, shapes=shapes)
+    assert wrong.failed and {r["verdict"] for r in wrong.rows} == {"disagrees"}
+
+
+def test_mac_check_without_metal_reports_every_section(mac_check, tmp_path, monkeypatch):
+    """On this Linux machine the check runs end to end on the default SmolLM2 pair (quick): every
+    section is in the report, the Metal ones skipped with the reason, the others done."""
     if mx.metal.is_available():
-        pytest.skip("this machine has Metal: the check itself runs here (python bench/mac_check.py)")
-    with pytest.raises(SystemExit, match="needs a Mac with Metal"):
-        mac_check.main(repeats=1)
+        pytest.skip("this machine has Metal: python bench/mac_check.py runs every section here")
+    monkeypatch.setattr(sys, "argv", ["mac_check.py", "--quick"])
+    with pytest.raises(SystemExit) as done:
+        mac_check.main(
+            model=None, quant=None, gdn_model="Qwen3.5-4B", prompts=4, max_tokens=128, quick=True, out=tmp_path
+        )
+    sections = {s["name"]: s for s in json.loads((tmp_path / "report.json").read_text())["sections"]}
+    assert list(sections) == [
+        "environment",
+        "kernel_self_checks",
+        "lossless_greedy",
+        "speed",
+        "cost_curve",
+        "gated_delta_target",
+        "kernel_decisions",
+    ]
+    metal_only = {"kernel_self_checks", "gated_delta_target", "kernel_decisions"}
+    assert all(sections[name]["status"] == "skipped: no Metal" for name in metal_only)
+    assert all(sections[name]["status"] == "ok" for name in set(sections) - metal_only), sections
+    assert [r["width"] for r in sections["speed"]["rows"]] == [4, 8, 16, "adaptive"]
+    assert sections["lossless_greedy"]["rows"][0]["verdict"] == "identical"
+    markdown = (tmp_path / "report.md").read_text()
+    assert all(f"## {name}: " in markdown for name in sections)
+    assert done.value.code == 0
 
 
-def test_mac_check_parity_tables_through_the_emulator(mac_check, emulator):
-    """The Mac check's parity logic, with the emulator standing in for the GPU: rows pass, and a
-    kernel that computes something else fails them."""
-    rows = mac_check.attention_parity(
-        contexts=(40,), head_dims=(64,), dtypes=(mx.float32,), widths=(1, 5), run=run_emulated
-    )
-    assert len(rows) == 4 and all(ok for *_, ok in rows)
-    tape = mac_check.tape_parity(dtypes=(mx.float32,), widths=(3,), run=run_emulated)
-    assert len(tape) == 1 and tape[0][-1]
-    wrong = mac_check.attention_parity(
-        contexts=(40,),
-        head_dims=(64,),
-        dtypes=(mx.float32,),
-        widths=(2,),
-        run=lambda launch: [mx.zeros_like(launch.inputs["queries"])],
-    )
-    assert not any(ok for *_, ok in wrong)
+def test_mac_check_reports_a_failing_section_and_goes_on(mac_check, tmp_path):
+    """An error is that section's result, in one line, and the report is written all the same."""
+    report = mac_check.Report(tmp_path, "python bench/mac_check.py")
+
+    def broken():
+        raise RuntimeError("the GPU fell over\nwith a traceback")
+
+    report.run("first", broken)
+    report.run("second", lambda: mac_check.Outcome([{"a": 1.5}]))
+    sections = json.loads((tmp_path / "report.json").read_text())["sections"]
+    assert [s["status"] for s in sections] == ["error: RuntimeError: the GPU fell over", "ok"]
+    assert report.failed and "| 1.5 |" in (tmp_path / "report.md").read_text()
+
+
+def test_mac_check_judges_a_first_difference_by_the_top2_gap(mac_check, monkeypatch):
+    """Lossless on a CPU is token for token; on a GPU a first difference at a near-tie passes."""
+    monkeypatch.setattr(mac_check, "plain_tokens", lambda pair, prompt, n: [1, 2, 3])
+    monkeypatch.setattr(mac_check, "dflash_tokens", lambda pair, prompt, n, width: ([1, 2, 4], 2.0))
+    monkeypatch.setattr(mac_check, "format_prompt", lambda tokenizer, text: [9])
+    monkeypatch.setattr(mac_check, "top2_gap", lambda pair, prefix: (1e-6, 2.0))
+    on_cpu = mac_check.lossless(None, None, ["x"], 3)
+    assert on_cpu.failed and on_cpu.rows[0]["verdict"] == "DIFFERENT" and on_cpu.rows[0]["first difference"] == 2
+    monkeypatch.setattr(mac_check.mx, "default_device", lambda: mx.gpu)
+    on_gpu = mac_check.lossless(None, None, ["x"], 3)
+    assert not on_gpu.failed and on_gpu.rows[0]["verdict"] == "near-tie"
 
 
 @on_mac
@@ -454,15 +507,15 @@ def test_metal_fused_attention_beats_concat_at_4k():
     assert fused < concat, f"fused {fused * 1e3:.3f} ms vs concat+SDPA {concat * 1e3:.3f} ms"
 
 
-def test_mac_check_measures_the_verify_curve_and_decoding(mac_check, tiny_dirs):
-    """The Mac check's model tables, on a tiny pair here: the verify curve rises with the width
-    (a wider pass is never cheaper), and DFlash is compared with plain mlx-lm in both modes."""
+def test_mac_check_measures_speed_and_the_cost_curve(mac_check, tiny_dirs):
+    """The Mac check's model tables, on a tiny pair here: DFlash against plain mlx-lm at the
+    widths the drafter allows and adaptive, and the cost curve the plan decides on (a wider
+    pass is never cheaper)."""
     from dflash_mlx import load
 
     pair, tokenizer = load(str(tiny_dirs[0]), str(tiny_dirs[1]))
-    curve = mac_check.verify_curve(pair, context=64, widths=(1, 2, 4), repeats=2)
-    assert [w for w, *_ in curve] == [1, 2, 4] and curve[0][1] <= curve[1][1] <= curve[2][1]
-    assert curve[0][2] == 0 and 0 < curve[1][2] <= curve[2][2]
-    rows = mac_check.end_to_end(pair, tokenizer, prompts=3, max_tokens=8)
-    assert [r["mode"] for r in rows] == ["greedy", "sampled"]
-    assert all(r["plain_tps"] > 0 and r["dflash_tps"] > 0 and r["tau"] >= 1 for r in rows)
+    speed = mac_check.speed(pair, tokenizer, ["Count to five.", "Say hi."], max_tokens=6, warm_up=False)
+    assert [r["width"] for r in speed.rows] == [4, "adaptive"]  # the tiny drafter's block is 4
+    assert all(r["plain tok/s"] > 0 and r["DFlash tok/s"] > 0 and r["tau"] >= 1 for r in speed.rows)
+    curve = mac_check.cost_curve(pair).rows
+    assert all(a["target pass ms"] <= b["target pass ms"] for a, b in zip(curve, curve[1:]))

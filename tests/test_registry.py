@@ -19,6 +19,19 @@ def test_short_names_map_to_published_pairs():
     assert registry.resolve("Kimi-K2.5").target == "moonshotai/Kimi-K2.5"
 
 
+def test_every_published_pair_says_what_it_holds_in_memory():
+    """The variant that fits a machine is chosen from these before anything is downloaded
+    (tests/test_memory_fit.py); figures read off a model's name and family are marked estimates."""
+    for pair in registry.PUBLISHED.values():
+        size = pair.size
+        assert size.params > size.draft_params > 0 and size.kv_kib > 0 and 4 <= size.native_bits <= 16
+    estimated = {name for name, pair in registry.PUBLISHED.items() if pair.size.estimate}
+    assert {"Qwen3-4B", "Qwen3-8B", "Llama-3.1-8B-Instruct", "gpt-oss-20b"}.isdisjoint(estimated)
+    assert {"Qwen3.5-9B", "gemma-4-31B", "Kimi-K2.5"} <= estimated
+    assert registry.PUBLISHED["gpt-oss-20b"].size.native_bits < 8  # MXFP4 experts: below the 8-bit conversion
+    assert registry.label("gpt-oss-20b", None) == "published ~5.3-bit" and registry.label("Qwen3-8B", 8) == "8-bit"
+
+
 def test_unknown_names_and_paths_are_explained():
     with pytest.raises(ValueError, match="Qwen3.5-9B.*Llama-3.1-8B-Instruct"):
         registry.resolve("Qwen9-1B")

@@ -10,7 +10,15 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..decode.costs import StepTimes, cached_costs, measure_costs, step_times_path
+from ..decode.costs import (
+    LONG_CONTEXT,
+    PROBE_CONTEXT,
+    StepTimes,
+    cached_costs,
+    curve_key,
+    measure_costs,
+    step_times_path,
+)
 from ..drafters import load_draft
 from ..kernels.fused_ops import fuse
 from ..io import blas
@@ -32,6 +40,7 @@ def load(
     distributed: Optional[str] = None,
     split: Optional[Sequence[int]] = None,
     timeout: float = 60.0,
+    batch_tokens: Optional[int] = None,
 ) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a target by short name, HF repo or local path, with its drafter.
 
@@ -44,9 +53,15 @@ def load(
     the ranks (`split`: layers per rank, rank 0 first; collective waits bounded
     by `timeout` seconds): rank 0 gets the drafter and drives, the other ranks
     get a target whose `follow()` serves rank 0 until it calls `finish()`.
+
+    A short name without `quant` loads the most precise variant (bf16, 8-bit, 4-bit) whose
+    weights, drafter and KV caches of `batch_tokens` context tokens (default: the server's batch
+    cap) fit this machine, and says which and why; when none fits, a ValueError says what each
+    needs and what is available (registry.fitting_variant).
     """
     from .registry import resolve  # pulls in the GGUF converter; not needed to decode
 
+    quant = _fitting_quant(model, draft, quant, use_draft, distributed, batch_tokens)
     resolved = resolve(model, draft, quant)
     target_path = fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
     group = _pipeline_group(distributed, timeout)
@@ -78,16 +93,24 @@ def load(
         drafter = fuse(load_draft(draft_path, dtype=dtype, dequantize=mx.default_device() == mx.cpu).bind(target))
     planner = None
     if drafter is not None and adaptive:
-        key = f"{target_path.name}-{target.dtype}-{Path(resolved.draft).name}-{_fingerprint(draft_path)}"
+        pair = f"{target_path.name}-{Path(resolved.draft).name}-{_fingerprint(draft_path)}"
         if group is not None:  # the network is part of a pass's cost
-            key += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
+            pair += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
+        key = curve_key(pair, target.dtype)
+        long_context = min(LONG_CONTEXT, context_limit(target) or LONG_CONTEXT)
 
         def measure():
-            console.print("Measuring this machine's verify cost for the adaptive block size (once)", style="dim")
-            return measure_costs(target, drafter)
+            console.print(
+                f"Measuring this machine's verify cost at {PROBE_CONTEXT} and {long_context} tokens of context "
+                "for the adaptive block size (once per model and machine)",
+                style="dim",
+            )
+            return measure_costs(target, drafter, long_context=long_context)
 
         cost = cached_costs(key, measure, cache_dir())
-        step_times = StepTimes.stored(step_times_path(key, cache_dir()), basis=cost.seconds)
+        step_times = StepTimes.stored(
+            step_times_path(key, cache_dir()), basis=cost.seconds, by_context=cost.context_ratio
+        )
         planner = Planner(cost, drafter.block_size, step_times)
     fingerprint = f"{target_path.name}-{target.dtype}-{_fingerprint(target_path)}"
     if drafter is not None:
@@ -98,6 +121,34 @@ def load(
 
 
 _said: set[str] = set()  # one-line notices already printed by this process
+
+
+def _fitting_quant(
+    model: Optional[str],
+    draft: Optional[str],
+    quant: Optional[int],
+    use_draft: bool,
+    distributed: Optional[str],
+    batch_tokens: Optional[int],
+) -> Optional[int]:
+    """The quant to load, before anything is downloaded.  `quant` as asked, and for anything but a
+    short name; for a short name without one, the variant that fits this machine, said in one
+    line (a ValueError when none does); an asked-for quant that does not fit is kept, with a note.
+    Not over pipeline ranks: each would judge its own machine, and all must load the same weights."""
+    from .registry import BATCH_CAP_TOKENS, PUBLISHED, QUANT_BITS, fit_note, fitting_variant
+
+    if model not in PUBLISHED or distributed is not None or quant not in (None, *QUANT_BITS):
+        return quant  # (resolve refuses a quant it does not know)
+    drafter = (draft or PUBLISHED[model].draft) if use_draft else None
+    tokens = batch_tokens or BATCH_CAP_TOKENS
+    if quant is not None:
+        note = fit_note(model, quant, drafter, tokens)
+        if note:
+            console.print(f"note: {note}", style="yellow", soft_wrap=True)
+        return quant
+    choice = fitting_variant(model, drafter, tokens)
+    console.print(choice.reason, style="dim", soft_wrap=True)
+    return choice.quant
 
 
 WEIGHT_DIGESTS = "weight-digests.json"  # in cache_dir(): each weight file's sha256, by path

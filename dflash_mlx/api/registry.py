@@ -1,13 +1,20 @@
-"""Which target goes with which drafter, and the offline default model.
+"""Which target goes with which drafter, which variant of it fits this machine, and the offline
+default model.
 
-`--model` takes a short name (published target/drafter pairs), a Hugging Face
-repo id, or a local directory.  With no model, the offline default is
-SmolLM2-135M-Instruct (convert/smollm2.py) with the drafter shipped in weights/.
+`--model` takes a short name (published target/drafter pairs), a Hugging Face repo id, or a local
+directory.  With no model, the offline default is SmolLM2-135M-Instruct (convert/smollm2.py) with
+the drafter shipped in weights/.  A short name without `--quant` loads the most precise variant
+whose weights, drafter and KV caches fit this machine's memory (`fitting_variant`).
 """
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+import mlx.core as mx
+from huggingface_hub import try_to_load_from_cache
 
 from ..convert.smollm2 import DEFAULT_MODEL, smollm2_path
 from ..io.storage import looks_like_path
@@ -17,38 +24,66 @@ DEFAULT_DRAFT = Path(__file__).parent.parent / "weights" / DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
+class Size:
+    """What a published pair holds in memory, for choosing the variant that fits before anything
+    is downloaded.  Figures from the models' configs; `estimate`: the target's figures are read off
+    its name and family (its config was not at hand).  The drafters' are all estimates: z-lab's
+    drafters are ~5 layers at the target's width, run in bf16."""
+
+    params: float  # target parameters, billions
+    draft_params: float  # drafter parameters, billions
+    kv_kib: int  # KiB of keys and values per context token in bf16: the target's full-attention layers + the drafter's
+    native_bits: float = 16  # bits per weight as published: bf16, but gpt-oss ships MXFP4 experts, Kimi INT4 ones
+    estimate: bool = False
+
+
+@dataclass(frozen=True)
 class Published:
     target: str
     draft: str
     quantized: str  # mlx-community repo stem; "-4bit" / "-8bit" is appended
+    size: Size
 
 
-def _pair(target: str, draft: str, quantized_stem: Optional[str] = None) -> Published:
-    return Published(target, draft, quantized_stem or f"mlx-community/{target.split('/')[1]}")
+def _pair(target: str, draft: str, size: Size, quantized_stem: Optional[str] = None) -> Published:
+    return Published(target, draft, quantized_stem or f"mlx-community/{target.split('/')[1]}", size)
 
 
 # z-lab's published drafters (huggingface.co/z-lab) and the targets they were trained on
 PUBLISHED = {
-    "Qwen3-4B": _pair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16"),
-    "Qwen3-8B": _pair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
-    "Qwen3-Coder-30B-A3B": _pair("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),
-    "Qwen3-Coder-Next": _pair("Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash"),
-    "Qwen3.5-4B": _pair("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash"),
-    "Qwen3.5-9B": _pair("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash"),
-    "Qwen3.5-27B": _pair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash"),
-    "Qwen3.5-35B-A3B": _pair("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash"),
-    "Qwen3.6-27B": _pair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash"),
-    "Qwen3.6-35B-A3B": _pair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash"),
+    "Qwen3-4B": _pair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", Size(4.0, 0.5, 164)),
+    "Qwen3-8B": _pair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", Size(8.2, 1.0, 164)),
+    "Qwen3-Coder-30B-A3B": _pair(
+        "Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", Size(30.5, 0.5, 116)
+    ),
+    "Qwen3-Coder-Next": _pair(
+        "Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash", Size(80.0, 0.5, 44, estimate=True)
+    ),
+    "Qwen3.5-4B": _pair("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", Size(4.0, 0.5, 52, estimate=True)),
+    "Qwen3.5-9B": _pair("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", Size(9.0, 1.0, 52, estimate=True)),
+    "Qwen3.5-27B": _pair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", Size(27.0, 1.7, 84, estimate=True)),
+    "Qwen3.5-35B-A3B": _pair(
+        "Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", Size(35.0, 0.5, 40, estimate=True)
+    ),
+    "Qwen3.6-27B": _pair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", Size(27.0, 1.7, 84, estimate=True)),
+    "Qwen3.6-35B-A3B": _pair(
+        "Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", Size(35.0, 0.5, 40, estimate=True)
+    ),
     "Llama-3.1-8B-Instruct": _pair(
         "meta-llama/Llama-3.1-8B-Instruct",
         "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+        Size(8.0, 1.2, 148),
         "mlx-community/Meta-Llama-3.1-8B-Instruct",
     ),
-    "gpt-oss-20b": _pair("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash"),
-    "gpt-oss-120b": _pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash"),
-    "gemma-4-26B-A4B": _pair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash"),
-    "gemma-4-31B": _pair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash"),
-    "Kimi-K2.5": _pair("moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash"),
+    "gpt-oss-20b": _pair("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", Size(20.9, 0.6, 44, native_bits=5.3)),
+    "gpt-oss-120b": _pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", Size(116.8, 0.6, 56, native_bits=4.5)),
+    "gemma-4-26B-A4B": _pair(
+        "google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", Size(26.0, 0.6, 60, estimate=True)
+    ),
+    "gemma-4-31B": _pair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", Size(31.0, 1.5, 100, estimate=True)),
+    "Kimi-K2.5": _pair(
+        "moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", Size(1000.0, 3.0, 90, native_bits=4.6, estimate=True)
+    ),
 }
 
 
@@ -75,8 +110,7 @@ def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[i
         return Resolved(target, None, f"no trained drafter for {DEFAULT_MODEL} yet")
     if model in PUBLISHED:
         pair = PUBLISHED[model]
-        target = f"{pair.quantized}-{quant}bit" if quant else pair.target
-        return Resolved(target, draft or pair.draft)
+        return Resolved(variant_repo(pair, quant), draft or pair.draft)
     if quant:
         raise ValueError("--quant applies to short names only; pass a quantized repo or dir as --model")
     if Path(model).expanduser().exists():
@@ -91,7 +125,171 @@ def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[i
     )
 
 
+def variant_repo(pair: Published, quant: Optional[int]) -> str:
+    """Where a variant of a published target lives: the original (no quant), or mlx-community's conversion."""
+    return f"{pair.quantized}-{quant}bit" if quant else pair.target
+
+
 def _unpublished(target: str, draft: Optional[str]) -> Resolved:
     if draft:
         return Resolved(target, draft)
     return Resolved(target, None, "no drafter given for this model (pass --draft)")
+
+
+# ---------------------------------------------------------------- the variant that fits this machine
+
+GIB = 1 << 30
+BATCH_CAP_TOKENS = 32768  # serve's MAX_BATCH_TOKENS (8 rows of 4k): the most context a batch's caches hold
+WORKING_BYTES = 1 << 30  # activations, logits and MLX's buffers, beside the weights and caches
+QUANT_BITS = {8: 8.5, 4: 4.5}  # mlx-lm's affine quantization: a bf16 scale and bias per 64 weights add 0.5 bit
+VARIANTS = (None, 8, 4)  # most precise first: as published (bf16), then mlx-community's 8-bit and 4-bit
+RAM_SHARE = 0.75  # of the memory, where MLX reports no recommended working set: what macOS grants big Macs
+
+
+@dataclass(frozen=True)
+class Budget:
+    bytes: int
+    source: str  # where the figure comes from, said with it
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one variant of a pair needs in memory, in bytes."""
+
+    quant: Optional[int]
+    weights: int
+    draft: int
+    kv: int
+    working: int = WORKING_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.draft + self.kv + self.working
+
+
+@dataclass(frozen=True)
+class Choice:
+    quant: Optional[int]
+    reason: str  # one line: which variant and why
+
+
+def device_memory() -> tuple[int, Optional[int]]:
+    """This machine's memory in bytes, and the GPU's recommended working set where MLX reports one (a Mac)."""
+    info = mx.device_info()
+    total = info.get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    recommended = info.get("max_recommended_working_set_size")
+    return int(total), int(recommended) if recommended else None
+
+
+def memory_budget() -> Budget:
+    """What a model may take here: on a Mac the GPU's recommended working set (macOS keeps the rest
+    for itself: 2/3 of the memory up to 32 GB, about 3/4 above), else 3/4 of the memory (the rest
+    left to the system and other programs)."""
+    total, recommended = device_memory()
+    if recommended:
+        return Budget(recommended, f"the GPU's recommended working set of this {gib(total)} GiB machine")
+    return Budget(int(total * RAM_SHARE), f"3/4 of this machine's {gib(total)} GiB")
+
+
+def footprint(name: str, quant: Optional[int], draft: Optional[str], batch_tokens: int) -> Footprint:
+    """What the `quant` variant of the published pair `name` needs: its weights (their stored size
+    when they are on this machine already, else its parameters at the variant's bits), the drafter
+    `draft`'s (bf16; none without one), the KV caches of `batch_tokens` context tokens, and working memory."""
+    pair = PUBLISHED[name]
+    bits = QUANT_BITS[quant] if quant else pair.size.native_bits
+    weights = stored_weight_bytes(variant_repo(pair, quant)) or int(pair.size.params * 1e9 * bits / 8)
+    drafter = 0 if draft is None else stored_weight_bytes(draft) or int(pair.size.draft_params * 1e9 * 2)
+    return Footprint(quant, weights, drafter, batch_tokens * pair.size.kv_kib * 1024)
+
+
+def stored_weight_bytes(repo: str) -> Optional[int]:
+    """The size of `repo`'s weights where they are on this machine already (a local folder, or the
+    Hugging Face cache, looked up without the network), else None."""
+    folder = Path(repo).expanduser()
+    if folder.is_dir():
+        return sum(f.stat().st_size for f in folder.glob("*.safetensors")) or None
+    if looks_like_path(repo):
+        return None
+    try:
+        index = try_to_load_from_cache(repo, "model.safetensors.index.json")
+        if isinstance(index, str):
+            return int(json.loads(Path(index).read_text())["metadata"]["total_size"])
+        single = try_to_load_from_cache(repo, "model.safetensors")
+        return Path(single).stat().st_size if isinstance(single, str) else None
+    except (OSError, ValueError, KeyError, TypeError):  # a name the hub refuses, a garbled index
+        return None
+
+
+def fitting_variant(
+    name: str, draft: Optional[str], batch_tokens: int = BATCH_CAP_TOKENS, budget: Optional[Budget] = None
+) -> Choice:
+    """The most precise variant of the published pair `name` that fits this machine (`budget`),
+    with the line that says which and why; a ValueError with the numbers when none does."""
+    budget = budget or memory_budget()
+    needs = [footprint(name, quant, draft, batch_tokens) for quant in VARIANTS]
+    chosen = next((need for need in needs if need.total <= budget.bytes), None)
+    if chosen is None:
+        smallest = needs[-1]
+        raise ValueError(
+            f"{name} does not fit this machine: even its {label(name, smallest.quant)} variant needs "
+            f"{against(smallest, budget, batch_tokens)}; {would_need(name, needs[:-1])}. "
+            f"{advice(name, smallest, budget)}"
+        )
+    better = needs[: needs.index(chosen)]  # more precise, and too big
+    return Choice(
+        chosen.quant,
+        f"{name}: loading the {label(name, chosen.quant)} variant ({variant_repo(PUBLISHED[name], chosen.quant)}), "
+        f"the most precise that fits: {against(chosen, budget, batch_tokens)}"
+        + (f"; {would_need(name, better)}" if better else "")
+        + ". --quant 4 or 8 chooses",
+    )
+
+
+def fit_note(
+    name: str, quant: int, draft: Optional[str], batch_tokens: int = BATCH_CAP_TOKENS, budget: Optional[Budget] = None
+) -> Optional[str]:
+    """When the variant asked for (`quant`: kept whatever it needs) does not fit this machine, a line
+    with its need, what is available and the variant that would fit, if any; else None."""
+    budget = budget or memory_budget()
+    need = footprint(name, quant, draft, batch_tokens)
+    if need.total <= budget.bytes:
+        return None
+    smaller = [q for q in VARIANTS if q and q < quant and footprint(name, q, draft, batch_tokens).total <= budget.bytes]
+    instead = f"--quant {smaller[0]} would fit" if smaller else "no variant fits"
+    return f"{name} {label(name, quant)} needs {against(need, budget, batch_tokens)}: {instead}"
+
+
+def label(name: str, quant: Optional[int]) -> str:
+    if quant:
+        return f"{quant}-bit"
+    bits = PUBLISHED[name].size.native_bits
+    return "bf16" if bits == 16 else f"published ~{bits:g}-bit"
+
+
+def against(need: Footprint, budget: Budget, batch_tokens: int) -> str:
+    """What `need` is made of, against what is available."""
+    drafter = f" + drafter {gib(need.draft)}" if need.draft else ""
+    return (
+        f"~{gib(need.total)} GiB (weights {gib(need.weights)}{drafter} + KV caches of {batch_tokens} tokens "
+        f"{gib(need.kv)} + working memory {gib(need.working)}) of {gib(budget.bytes)} GiB available ({budget.source})"
+    )
+
+
+def advice(name: str, smallest: Footprint, budget: Budget) -> str:
+    """What to do when no variant fits: a smaller model, or the smallest variant with the context
+    its caches then have room for, when its weights fit at all."""
+    free = budget.bytes - (smallest.weights + smallest.draft + smallest.working)
+    tokens = max(0, free) // (PUBLISHED[name].size.kv_kib * 1024)
+    if not tokens:
+        return "Choose a smaller model: even without KV caches this one does not fit"
+    return (
+        f"Choose a smaller model, or pass --quant 4 to load it anyway: its caches then have room for ~{tokens} tokens"
+    )
+
+
+def would_need(name: str, needs: list[Footprint]) -> str:
+    return "; ".join(f"{label(name, need.quant)} would need ~{gib(need.total)} GiB" for need in needs)
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f}"

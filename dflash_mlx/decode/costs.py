@@ -4,9 +4,10 @@ correction of it by what steps really took (`StepTimes`).
 
 Verifying L tokens is not free when compute is the limit (on a CPU, or a big model on a
 small Mac): a 16-token target pass can cost several 1-token passes.  The curve times one
-row at a short context in isolation; a real step attends over longer contexts, may verify
-several rows, syncs, rolls back and breaks the plain-step pipeline, so every step's wall
-time teaches the ratio of its shape (rows, width) to the curve.
+row at a short context in isolation (and again at a long one: the anchor of the longer
+context classes); a real step attends over contexts of any length, may verify several rows,
+syncs, rolls back and breaks the plain-step pipeline, so every step's wall time teaches the
+ratio of its shape (rows, width) to the curve.
 """
 
 import json
@@ -14,18 +15,23 @@ import math
 import platform
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from statistics import median, median_low
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
 from ..io.progress import console
 from ..io.storage import atomic_write
+from ..kernels.metal import chip_name, use_metal
 from ..sampling import Noise, SamplingParams, choose
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+PROBE_CONTEXT = 128  # the context the curve is timed at
+LONG_CONTEXT = 2048  # and the second one (its power-of-two widths only): the longer context classes' anchor
+SHORTEST_SPAN = 512
 SAMPLE_ROWS = 8
 SAMPLING_PROBES = (SamplingParams(temp=1.0), SamplingParams(temp=1.0, top_p=0.9))  # unfiltered, filtered
 
@@ -35,7 +41,8 @@ class CostModel:
     """Seconds for one target pass over L tokens (interpolated), for one drafter pass
     over a block of L (draft_seconds + draft_per_token * (L - 1): its lm_head runs per
     token), and for one position's sampling distribution (temperature only, or
-    filtered by top-p / top-k)."""
+    filtered by top-p / top-k).  The target's passes are timed on top of `context` tokens
+    and, where `long_seconds` were measured, of `long_context` ones too (`context_ratio`)."""
 
     widths: list[int]
     seconds: list[float]
@@ -43,36 +50,61 @@ class CostModel:
     draft_per_token: float = 0.0
     sample_row: float = 0.0
     filtered_row: float = 0.0
+    context: int = 0
+    long_context: int = 0
+    long_widths: list[int] = field(default_factory=list)
+    long_seconds: list[float] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, stored: dict) -> "CostModel":
-        """A stored cost model, checked (a cache file may be truncated or foreign)."""
+        """A stored cost model, checked (a cache file may be truncated, foreign, or of an older
+        format: one without the long-context curve is measured again, not read as one)."""
+        if not isinstance(stored, dict) or set(stored) != {f.name for f in fields(cls)}:
+            raise ValueError("not a cost model of this format")
         cost = cls(**stored)
-        numbers = [cost.draft_seconds, cost.draft_per_token, cost.sample_row, cost.filtered_row, *cost.seconds]
+        numbers = [
+            cost.draft_seconds,
+            cost.draft_per_token,
+            cost.sample_row,
+            cost.filtered_row,
+            *cost.seconds,
+            *cost.long_seconds,
+        ]
         if not (
-            isinstance(cost.widths, list)
-            and cost.widths
-            and len(cost.widths) == len(cost.seconds)
-            and all(isinstance(w, int) and w > 0 for w in cost.widths)
+            _curve(cost.widths, cost.seconds)
+            and (not cost.long_widths or _curve(cost.long_widths, cost.long_seconds))
+            and all(isinstance(n, int) and n >= 0 for n in (cost.context, cost.long_context))
+            and (not cost.long_widths or cost.long_context > cost.context)
             and all(isinstance(x, (int, float)) and 0 <= x < 1e4 for x in numbers)
         ):
             raise ValueError("not a cost model")
         return cost
 
     def verify(self, L: int) -> float:
-        for (w0, s0), (w1, s1) in zip(zip(self.widths, self.seconds), zip(self.widths[1:], self.seconds[1:])):
-            if w0 <= L <= w1:
-                return s0 + (s1 - s0) * (L - w0) / (w1 - w0)
-        if L <= self.widths[0]:
-            return self.seconds[0]
-        w0, w1, s0, s1 = self.widths[-2], self.widths[-1], self.seconds[-2], self.seconds[-1]
-        return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
+        return interpolate(self.widths, self.seconds, L)
+
+    def context_ratio(self, tokens: int, span: int) -> float:
+        """How much dearer a target pass over `tokens` is in the context class `span` than the
+        curve says: 1 in the shortest class (the curve's own) and without a long-context curve;
+        else the two curves' ratio, moved linearly in context (attention reads every cached
+        token) to the class's middle (its contexts run from span / 2 to span), at least 1."""
+        short = self.verify(tokens)
+        if not self.long_seconds or span <= SHORTEST_SPAN or short <= 0:
+            return 1.0
+        long = interpolate(self.long_widths, self.long_seconds, tokens)
+        moved = (0.75 * span - self.context) / (self.long_context - self.context)
+        return max(1.0, (short + (long - short) * moved) / short)
 
     def describe(self) -> str:
         shown = [w for w in self.widths if w & (w - 1) == 0]  # powers of two
+        long = (
+            f" ({'/'.join(f'{1e3 * s:.0f}' for s in self.long_seconds)} ms over {self.long_context} tokens of context)"
+            if self.long_seconds
+            else ""
+        )
         return (
             f"verify {'/'.join(map(str, shown))} tokens = "
-            f"{'/'.join(f'{1e3 * self.verify(w):.0f}' for w in shown)} ms; "
+            f"{'/'.join(f'{1e3 * self.verify(w):.0f}' for w in shown)} ms{long}; "
             f"drafter {1e3 * self.draft_seconds:.1f} ms + {1e3 * self.draft_per_token:.2f} ms/token; "
             f"sampling {1e3 * self.sample_row:.1f} ms/position ({1e3 * self.filtered_row:.1f} with top-p/top-k)"
         )
@@ -103,7 +135,27 @@ class CostModel:
         return (2 * L - 1 if drafted and L > 1 else L) * self.row(params)
 
 
-SHORTEST_SPAN = 512
+def interpolate(widths: list[int], seconds: list[float], L: int) -> float:
+    """A curve's seconds at width L: linear between its probes, extended past its widest."""
+    for (w0, s0), (w1, s1) in zip(zip(widths, seconds), zip(widths[1:], seconds[1:])):
+        if w0 <= L <= w1:
+            return s0 + (s1 - s0) * (L - w0) / (w1 - w0)
+    if L <= widths[0] or len(widths) == 1:
+        return seconds[0]
+    w0, w1, s0, s1 = widths[-2], widths[-1], seconds[-2], seconds[-1]
+    return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
+
+
+def _curve(widths, seconds) -> bool:
+    """Whether a stored curve is widths (ascending, positive) with a time each."""
+    return (
+        isinstance(widths, list)
+        and isinstance(seconds, list)
+        and bool(widths)
+        and len(widths) == len(seconds)
+        and all(isinstance(w, int) and w > 0 for w in widths)
+        and widths == sorted(set(widths))
+    )
 
 
 def context_class(tokens: int) -> int:
@@ -129,7 +181,9 @@ class StepTimes:
     the batch falls back to, and judged dear before it ran it would never run and never be
     corrected (traced: 8 rows x 1 token never tried, 8 x 2 run instead at 0.7x its tokens/s).
 
-    Shapes are judged only by shapes of their context class; a class not run yet, by the curve.
+    Shapes are judged only by shapes of their context class; a class not run yet, by the curve
+    moved to that context (`by_context(tokens, span)`: the measured cost curve's `context_ratio`;
+    1, the curve as timed, without one).
     A shape not run for `forget_after` steps is forgotten (judged by the shapes around it again).
 
     With a `store` (a file beside the machine's cost curve), what the steps taught is kept every
@@ -148,8 +202,10 @@ class StepTimes:
         save_every: int = 50,
         forget_after: int = 500,
         trust_stored_for: int = 64,
+        by_context: Optional[Callable[[int, int], float]] = None,
     ):
         self.window, self.forget_after, self.trust_stored_for = window, forget_after, trust_stored_for
+        self.by_context = by_context or (lambda tokens, span: 1.0)
         self.seen: dict[tuple[int, int, int], deque] = {}  # (rows, width, span) -> its last `window` ratios
         self.ratios: dict[tuple[int, int, int], float] = {}
         self.seen_at: dict[tuple[int, int, int], int] = {}  # (rows, width, span) -> the step it last ran at
@@ -158,10 +214,16 @@ class StepTimes:
         self._unsaved = 0
 
     @classmethod
-    def stored(cls, store: Path, basis: Sequence[float], window: int = 7) -> "StepTimes":
+    def stored(
+        cls,
+        store: Path,
+        basis: Sequence[float],
+        window: int = 7,
+        by_context: Optional[Callable[[int, int], float]] = None,
+    ) -> "StepTimes":
         """The step times kept in `store` for the curve `basis` (none yet, or for another curve:
         fresh ones, kept there from now on)."""
-        times = cls(window, store, basis)
+        times = cls(window, store, basis, by_context=by_context)
         if not store.is_file():
             return times
         try:
@@ -202,11 +264,12 @@ class StepTimes:
         if (rows, width) in ratios:
             return ratios[rows, width]
         if width == 1:
-            return min((ratio for (_, w), ratio in ratios.items() if w == 1), default=1.0)
+            plain = [ratio for (_, w), ratio in ratios.items() if w == 1]
+            return min(plain) if plain else self.by_context(rows, span)
         tokens = rows * width
         run = [(r * w, -abs(r - rows), ratios[r, w]) for r, w in ratios]
         if not run:
-            return 1.0
+            return self.by_context(tokens, span)
         same = [shape for shape in run if shape[0] == tokens]
         if same:
             return max(same)[2]  # the one closest in rows
@@ -260,37 +323,30 @@ class StepTimes:
 # ---------------------------------------------------------------- measuring the cost curve
 
 
-def machine_key() -> str:
-    return (
-        f"{platform.system()}-{platform.machine()}-{platform.processor() or 'cpu'}-metal{int(mx.metal.is_available())}"
-    )
-
-
 def measure_costs(
-    target, draft, context: int = 128, widths: Sequence[int] = PROBE_WIDTHS, repeats: int = 5
+    target,
+    draft,
+    context: int = PROBE_CONTEXT,
+    widths: Sequence[int] = PROBE_WIDTHS,
+    repeats: int = 5,
+    long_context: Optional[int] = None,
 ) -> CostModel:
-    """Time target passes of width L on top of a `context`-token cache, and one drafter pass.
+    """Time target passes of width L on top of a `context`-token cache, and one drafter pass;
+    with `long_context`, also the power-of-two widths on top of a cache that long (the anchor
+    of the planner's longer context classes: CostModel.context_ratio).
 
-    Widths are timed round-robin, so a burst of other load hits them all alike,
+    Every probe is timed round-robin, so a burst of other load hits them all alike,
     and the medians are fitted to a non-decreasing curve (a wider pass is never cheaper)."""
     widths = [w for w in widths if w <= max(draft.block_size, 2)] if draft is not None else [1]
-    tokens = mx.arange(context, dtype=mx.int32)[None] % target.vocab_size
+    long_widths = [w for w in widths if w & (w - 1) == 0] if long_context and long_context > context else []
     layers = draft.target_layer_ids if draft is not None else []
-    cache = target.make_cache()
-    _, features = target(tokens, cache, layers, logits_at=[context - 1])
-    mx.eval(features)
+    features, verify_seconds = _verify_timer(target, layers, context)
+    long_verify_seconds = _verify_timer(target, layers, long_context)[1] if long_widths else None
     dcache = None
     draft_widths = sorted({2, draft.block_size}) if draft is not None else []
     if draft is not None:
         dcache = draft.make_cache()
         draft.add_context(features, dcache)
-
-    def verify_seconds(w: int) -> float:
-        cache.checkpoint()
-        tic = time.perf_counter()
-        mx.eval(target(mx.zeros((1, w), dtype=mx.int32), cache, layers))
-        cache.rollback(0)
-        return time.perf_counter() - tic
 
     def draft_seconds(w: int) -> float:
         tic = time.perf_counter()
@@ -309,28 +365,51 @@ def measure_costs(
         return (time.perf_counter() - tic) / SAMPLE_ROWS
 
     times = {w: [] for w in widths}
+    long_times = {w: [] for w in long_widths}
     drafts = {w: [] for w in draft_widths}
     sampling = {p: [] for p in SAMPLING_PROBES}
+    probes = (
+        [(times[w], partial(verify_seconds, w)) for w in widths]
+        + [(long_times[w], partial(long_verify_seconds, w)) for w in long_widths]
+        + [(drafts[w], partial(draft_seconds, w)) for w in draft_widths]
+        + [(sampling[p], partial(row_seconds, p)) for p in SAMPLING_PROBES]
+    )
     for attempt in range(repeats + 1):  # the first round warms up
-        for w in widths:
-            seconds = verify_seconds(w)
+        for samples, probe in probes:
+            seconds = probe()
             if attempt:
-                times[w].append(seconds)
-        for w in draft_widths:
-            seconds = draft_seconds(w)
-            if attempt:
-                drafts[w].append(seconds)
-        for p in SAMPLING_PROBES:
-            seconds = row_seconds(p)
-            if attempt:
-                sampling[p].append(seconds)
+                samples.append(seconds)
     verify = monotone([median(times[w]) for w in widths])
     sample_row, filtered_row = (median(sampling[p]) for p in SAMPLING_PROBES)
+    long = dict(
+        context=context,
+        long_context=long_context if long_widths else 0,
+        long_widths=long_widths,
+        long_seconds=monotone([median(long_times[w]) for w in long_widths]),
+    )
     if not drafts:
-        return CostModel(list(widths), verify, 0.0, 0.0, sample_row, filtered_row)
+        return CostModel(list(widths), verify, 0.0, 0.0, sample_row, filtered_row, **long)
     short, full = median(drafts[draft_widths[0]]), median(drafts[draft_widths[-1]])
     per_token = max(0.0, (full - short) / max(1, draft_widths[-1] - 2))
-    return CostModel(list(widths), verify, short - per_token, per_token, sample_row, filtered_row)
+    return CostModel(list(widths), verify, short - per_token, per_token, sample_row, filtered_row, **long)
+
+
+def _verify_timer(target, layers: list[int], context: int) -> tuple[mx.array, Callable[[int], float]]:
+    """A cache prefilled with `context` tokens: the features of its prompt, and the seconds of a
+    target pass of width w on top of it (rolled back after, so every pass sees `context` tokens)."""
+    tokens = mx.arange(context, dtype=mx.int32)[None] % target.vocab_size
+    cache = target.make_cache()
+    _, features = target(tokens, cache, layers, logits_at=[context - 1])
+    mx.eval(features)
+
+    def seconds(w: int) -> float:
+        cache.checkpoint()
+        tic = time.perf_counter()
+        mx.eval(target(mx.zeros((1, w), dtype=mx.int32), cache, layers))
+        cache.rollback(0)
+        return time.perf_counter() - tic
+
+    return features, seconds
 
 
 def monotone(values: list[float]) -> list[float]:
@@ -344,9 +423,22 @@ def monotone(values: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(n)]
 
 
+def curve_key(pair: str, dtype: mx.Dtype) -> str:
+    """The key a measured cost curve is kept under: all it depends on.  The model pair (`pair`:
+    its names and its weights' fingerprints), the dtype it computes in, and this machine: the OS
+    and the chip (kernels.metal.chip_name: a Mac's brand string, a Linux CPU's model name), the
+    MLX version, the device MLX computes on, and whether dflash-mlx's own Metal kernels may run
+    (kernels.metal.use_metal)."""
+    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    kernels = "metal-kernels" if use_metal() else "mlx-kernels"
+    dtype_name = str(dtype).rsplit(".", 1)[-1]
+    return "-".join([pair, dtype_name, platform.system(), chip_name(), f"mlx{mx.__version__}", device, kernels])
+
+
 def costs_path(key: str, cache_root: Path) -> Path:
-    """Where the cost model of (`key`, this machine) is stored."""
-    name = f"{key}-{machine_key()}-v9".replace("/", "_").replace(" ", "_")  # v9: the C++ row softmax on a CPU
+    """Where the cost model of `key` (curve_key) is stored."""
+    # v10: keyed by curve_key, and timed at a long context too (an older file is never read as one)
+    name = f"{key}-v10".replace("/", "_").replace(" ", "_")
     return cache_root / "costs" / f"{name}.json"
 
 
@@ -357,7 +449,8 @@ def step_times_path(key: str, cache_root: Path) -> Path:
 
 
 def cached_costs(key: str, measure, cache_root: Path) -> CostModel:
-    """The cost model stored for (`key`, this machine), measured and stored on first use."""
+    """The cost model stored for `key` (curve_key), measured and stored on first use (and again
+    when the stored one is unreadable or of an older format)."""
     path = costs_path(key, cache_root)
     if path.is_file():
         try:

@@ -8,24 +8,42 @@ data as ``dflash_mlx/metal``):
     gated_delta_tape   GatedDeltaNet recurrence over a verify block that also
                        records delta_t, so rollback is a closed-form matmul
 
-Each has a twin written with MLX ops, same signature and semantics.  The Metal
-kernel runs when Metal is available (and the default device is the GPU), the
-twin otherwise; DFLASH_MLX_KERNELS=metal|mlx forces one.  A kernel call is
-described by a ``Launch`` (source, inputs, template, grid, outputs), which is
-what both mx.fast.metal_kernel and the C++ emulation in tests/ execute.
+Each has a twin written with MLX ops, same signature and semantics.  Where Metal
+is available (and the default device is the GPU) a kernel proves itself at its
+first use per shape class (head counts, head dim, dtype, width and context
+buckets): it runs beside its twin on those real inputs, and it is used for that
+class only if it agrees within the dtype's tolerance and is faster; otherwise
+one log line (logger ``dflash_mlx.kernels``) says why and the twin runs.  A
+kernel that fails to compile or run is reported once and its twin runs for the
+rest of the process.  The decisions are kept beside the cost curves, per chip,
+MLX version and kernel sources, so a later process skips the timing.
+DFLASH_MLX_KERNELS=mlx forces the twins, =metal the kernels (unchecked).  A
+kernel call is described by a ``Launch`` (source, inputs, template, grid,
+outputs), which is what both mx.fast.metal_kernel and the C++ emulation in
+tests/ execute.
 """
 
+import hashlib
+import json
+import logging
 import os
-import warnings
-from dataclasses import dataclass
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
 
 from .fused_ops import fusing, scaled_dot_product_attention
-from ..io.storage import shipped
+from ..io.storage import atomic_write, cache_dir, shipped
+
+logger = logging.getLogger("dflash_mlx.kernels")
 
 BACKENDS = ("auto", "metal", "mlx")
 ATTENTION_SIMDGROUPS = 8
@@ -51,21 +69,26 @@ def use_metal() -> bool:
     return available
 
 
+def forced_metal() -> bool:
+    """DFLASH_MLX_KERNELS=metal: the kernels run unchecked (the Mac tests, debugging a kernel)."""
+    return os.environ.get("DFLASH_MLX_KERNELS", "auto").lower() == "metal"
+
+
 @cache
-def _warn_once(message: str):
-    warnings.warn(message, stacklevel=3)
+def _say_once(message: str):
+    logger.warning(message)
 
 
 def _metal_fits(name: str, head_dim: int, dtype: mx.Dtype) -> bool:
     if head_dim % 32 == 0 and dtype in KERNEL_DTYPES:
         if name != "block_attention" or attention_tiling(head_dim, dtype) is not None:
             return True
-        _warn_once(
+        _say_once(
             f"dflash-mlx: block_attention Metal kernel: head_dim {head_dim} in {dtype} needs more than "
             f"{THREADGROUP_MEMORY // 1024} KiB of threadgroup memory; using the slower MLX twin"
         )
         return False
-    _warn_once(
+    _say_once(
         f"dflash-mlx: {name} Metal kernel needs head_dim % 32 == 0 and a float dtype "
         f"(got {head_dim}, {dtype}); using the slower MLX twin"
     )
@@ -115,6 +138,233 @@ def run_metal(launch: Launch) -> list[mx.array]:
     )
 
 
+# --------------------------------------------------------------- self-check
+
+KERNELS = ("block_attention", "gated_delta_tape")
+# max |kernel - twin| / max |twin| a kernel may show: the GPU's exp is not correctly rounded, and
+# a half-precision output rounds once more
+SELF_CHECK_TOLERANCE = {mx.float32: 1e-4, mx.float16: 2e-2, mx.bfloat16: 2e-2}
+SELF_CHECK_REPEATS = 5  # timed calls of each, after the warm-up call that also gave the outputs
+SHORTEST_CONTEXT_CLASS = 256  # shorter contexts cost alike: one class
+# how loudly each verdict is logged: a kernel that disagrees or fails is a bug to report; a slower
+# one is the check doing its job
+VERDICT_LEVELS = {"faster": logging.DEBUG, "slower": logging.INFO, "disagrees": logging.WARNING}
+
+
+@dataclass
+class Decision:
+    """What the self-check found for one kernel on one shape class."""
+
+    verdict: str  # faster (the kernel runs), slower, disagrees or failed (the twin runs)
+    reason: str  # one line, as logged
+    max_error: Optional[float] = None
+    kernel_ms: Optional[float] = None
+    twin_ms: Optional[float] = None
+
+    @property
+    def use_kernel(self) -> bool:
+        return self.verdict == "faster"
+
+
+def relative_error(got: mx.array, want: mx.array) -> float:
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return float(mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-30))
+
+
+def size_class(n: int, floor: int = 1) -> int:
+    """n rounded up to a power of two (at least `floor`): the sizes that share a decision."""
+    return 1 << (max(n, floor) - 1).bit_length()
+
+
+def _evaluated(outputs) -> list[mx.array]:
+    outputs = list(outputs)
+    mx.eval(outputs)
+    return outputs
+
+
+def _median_ms(run: Callable[[], list]) -> float:
+    times = []
+    for _ in range(SELF_CHECK_REPEATS):
+        tic = time.perf_counter()
+        mx.eval(run())
+        times.append(time.perf_counter() - tic)
+    return 1e3 * statistics.median(times)
+
+
+def one_line(error: BaseException) -> str:
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def prove(launch: Launch, twin: Callable[[], list], dtype: mx.Dtype) -> tuple[Decision, list[mx.array]]:
+    """Run the kernel and its twin on the same (real) inputs: the kernel is chosen if it agrees
+    within the dtype's tolerance and is faster.  Returns the decision and the chosen outputs
+    (the twin's unless the kernel won)."""
+    mx.eval([x for x in launch.inputs.values() if isinstance(x, mx.array)])  # neither times their graph
+    want = _evaluated(twin())  # also the twin's warm-up
+    try:
+        got = _evaluated(run_metal(launch))  # compiles the kernel: also its warm-up
+        error = max(relative_error(a, b) for a, b in zip(got, want))
+        tolerance = SELF_CHECK_TOLERANCE[dtype]
+        if not error <= tolerance:  # a NaN disagrees too
+            return Decision(
+                "disagrees", f"it disagrees with the twin (max rel. error {error:.1e} > {tolerance:.0e})", error
+            ), want
+        kernel_ms = _median_ms(lambda: run_metal(launch))
+    except Exception as e:  # a compile or run error of the kernel: the twin's outputs stand
+        return Decision("failed", f"the kernel failed ({one_line(e)})"), want
+    twin_ms = _median_ms(twin)
+    timing = f"{kernel_ms:.3f} ms vs {twin_ms:.3f} ms for the twin"
+    if kernel_ms >= twin_ms:
+        return Decision("slower", f"it is slower ({timing})", error, kernel_ms, twin_ms), want
+    return Decision(
+        "faster", f"it agrees (max rel. error {error:.1e}) and is faster ({timing})", error, kernel_ms, twin_ms
+    ), got
+
+
+@cache
+def chip_name() -> str:
+    """The machine's processor as its OS names it (on a Mac the chip, e.g. "Apple M3 Max")."""
+    if sys.platform == "darwin":
+        try:
+            brand = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            brand = ""
+        return brand or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def sources_hash() -> str:
+    """Changes with any kernel body or with this file (the launches' geometry lives here)."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for kernel in KERNELS:
+        digest.update(source(kernel).encode())
+    return digest.hexdigest()[:12]
+
+
+def decisions_path() -> Path:
+    """Beside the cost curves (decode/costs.py keeps them in <cache>/costs): one file per chip,
+    MLX version and kernel sources, as a decision holds for exactly those."""
+    name = re.sub(r"[^\w.-]+", "_", f"kernels-{chip_name()}-mlx{mx.__version__}-{sources_hash()}")
+    return cache_dir() / "costs" / f"{name}.json"
+
+
+class KernelChoices:
+    """The self-check's decision per (kernel, shape class), in memory and in a JSON file, so a
+    later process skips the timing; and the kernels that failed in this process."""
+
+    def __init__(self, path: Optional[Path] = None):
+        self._path = path
+        self._decided: Optional[dict[str, dict[str, Decision]]] = None
+        self.failed: dict[str, str] = {}  # kernel -> why: its twin runs for the rest of the process
+
+    @property
+    def path(self) -> Path:
+        if self._path is None:
+            self._path = decisions_path()
+        return self._path
+
+    def decided(self) -> dict[str, dict[str, Decision]]:
+        if self._decided is None:
+            self._decided = self._read()
+        return self._decided
+
+    def get(self, kernel: str, shape_class: str) -> Optional[Decision]:
+        return self.decided().get(kernel, {}).get(shape_class)
+
+    def record(self, kernel: str, shape_class: str, decision: Decision) -> None:
+        self.decided().setdefault(kernel, {})[shape_class] = decision
+        on_disk = self._read()  # another process may have added classes since
+        for name, classes in self.decided().items():
+            on_disk.setdefault(name, {}).update(classes)
+        stored = {name: {c: asdict(d) for c, d in classes.items()} for name, classes in on_disk.items()}
+        try:
+            atomic_write(self.path, json.dumps({"decisions": stored}, indent=1))
+        except OSError as e:
+            _say_once(
+                f"dflash-mlx: could not keep the kernel self-checks in {self.path} ({e.strerror}); a new process checks again"
+            )
+
+    def _read(self) -> dict[str, dict[str, Decision]]:
+        """The stored decisions; none when the file is absent, truncated or foreign."""
+        try:
+            stored = json.loads(self.path.read_text())["decisions"]
+            return {name: {c: Decision(**d) for c, d in classes.items()} for name, classes in stored.items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return {}
+
+
+choices = KernelChoices()
+
+
+def dispatch(kernel: str, shape_class: str, launch: Launch, twin: Callable[[], list], dtype: mx.Dtype) -> list:
+    """The kernel's outputs where it has proven itself on this shape class, else the twin's."""
+    if forced_metal():
+        return run_metal(launch)
+    if kernel in choices.failed:
+        return twin()
+    decision = choices.get(kernel, shape_class)
+    if decision is None:
+        decision, outputs = prove(launch, twin, dtype)
+        choices.record(kernel, shape_class, decision)
+        _report(kernel, shape_class, decision)
+        return outputs
+    if not decision.use_kernel:
+        return twin()
+    try:
+        return run_metal(launch)
+    except Exception as e:  # proven before, failing now: its twin for the rest of the process
+        decision = Decision("failed", f"the kernel failed ({one_line(e)})")
+        choices.record(kernel, shape_class, decision)
+        _report(kernel, shape_class, decision)
+        return twin()
+
+
+def _report(kernel: str, shape_class: str, decision: Decision) -> None:
+    if decision.verdict == "failed":
+        choices.failed[kernel] = decision.reason
+        logger.warning(f"dflash-mlx: {kernel}: the MLX twin runs for the rest of this process: {decision.reason}")
+        return
+    runs = "the Metal kernel runs" if decision.use_kernel else "the MLX twin runs"
+    logger.log(VERDICT_LEVELS[decision.verdict], f"dflash-mlx: {kernel} [{shape_class}]: {runs}: {decision.reason}")
+
+
+def kernel_plan() -> dict[str, str]:
+    """What each Metal kernel would run here and why (`dflash-mlx doctor`)."""
+    try:
+        metal = use_metal()
+    except (ValueError, RuntimeError) as e:
+        return {kernel: f"error: {e}" for kernel in KERNELS}
+    if os.environ.get("DFLASH_MLX_KERNELS", "auto").lower() == "mlx":
+        return {kernel: "the MLX twin: DFLASH_MLX_KERNELS=mlx" for kernel in KERNELS}
+    if not metal:
+        return {kernel: "the MLX twin: no Metal here (needs a Mac GPU as MLX's default device)" for kernel in KERNELS}
+    if forced_metal():
+        return {kernel: "the Metal kernel, unchecked: DFLASH_MLX_KERNELS=metal" for kernel in KERNELS}
+    return {kernel: _checked_plan(kernel) for kernel in KERNELS}
+
+
+def _checked_plan(kernel: str) -> str:
+    if kernel in choices.failed:
+        return f"the MLX twin for the rest of this process: {choices.failed[kernel]}"
+    decided = list(choices.decided().get(kernel, {}).values())
+    kept = sum(d.use_kernel for d in decided)
+    summary = (
+        f"{len(decided)} decided on this machine: {kept} kernel, {len(decided) - kept} twin"
+        if decided
+        else "none decided yet"
+    )
+    return f"the Metal kernel where it proves itself against its twin, per shape class ({summary})"
+
+
 # ---------------------------------------------------------- block attention
 
 
@@ -153,11 +403,32 @@ def block_attention(
 ) -> mx.array:
     """Attention of block queries (B, Hq, L, D) over the context span then the block's own
     keys/values (B, Hkv, L, D); bidirectional inside the block unless `causal`."""
-    if use_metal() and _metal_fits("block_attention", queries.shape[-1], queries.dtype):
-        return run_metal(
-            block_attention_launch(queries, keys, values, context, scale=scale, causal=causal, window=window)
-        )[0]
-    return block_attention_mlx(queries, keys, values, context, scale=scale, causal=causal, window=window)
+
+    def twin():
+        return [block_attention_mlx(queries, keys, values, context, scale=scale, causal=causal, window=window)]
+
+    if not (use_metal() and _metal_fits("block_attention", queries.shape[-1], queries.dtype)):
+        return twin()[0]
+    launch = block_attention_launch(queries, keys, values, context, scale=scale, causal=causal, window=window)
+    shape_class = attention_class(queries, keys, context, causal, window)
+    return dispatch("block_attention", shape_class, launch, twin, queries.dtype)[0]
+
+
+def attention_class(queries, keys, context: Optional[ContextSpan], causal: bool, window: Optional[int]) -> str:
+    """The shapes that share a self-check decision: same heads, head dim, dtype and masking;
+    batch, width and the context a row sees in the same power-of-two class."""
+    B, HQ, L, D = queries.shape
+    seen = context.length if context is not None else 0
+    seen = min(seen, window) if window else seen
+    masking = ("causal" if causal else "bidirectional") + (" windowed" if window else "")
+    return (
+        f"HQ={HQ} HKV={keys.shape[1]} D={D} {dtype_name(queries.dtype)} {masking} "
+        f"B<={size_class(B)} L<={size_class(L)} context<={size_class(seen, SHORTEST_CONTEXT_CLASS)}"
+    )
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 def block_attention_mlx(queries, keys, values, context: Optional[ContextSpan], *, scale, causal=False, window=None):
@@ -240,9 +511,22 @@ def gated_delta_tape(q, k, v, g, beta, state: Optional[mx.array]) -> tuple[mx.ar
     q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); state (B, Hv, Dv, Dk) float32
     or None (zeros).  Returns (y (B, T, Hv, Dv) in q's dtype, final state, delta)."""
     state = initial_state(state, k, v)
-    if use_metal() and _metal_fits("gated_delta_tape", k.shape[-1], q.dtype):
-        return tuple(run_metal(gated_delta_tape_launch(q, k, v, g, beta, state)))
-    return gated_delta_tape_mlx(q, k, v, g, beta, state)
+
+    def twin():
+        return gated_delta_tape_mlx(q, k, v, g, beta, state)
+
+    if not (use_metal() and _metal_fits("gated_delta_tape", k.shape[-1], q.dtype)):
+        return twin()
+    launch = gated_delta_tape_launch(q, k, v, g, beta, state)
+    return tuple(dispatch("gated_delta_tape", tape_class(q, k, v), launch, twin, q.dtype))
+
+
+def tape_class(q, k, v) -> str:
+    """The shapes that share a self-check decision: same heads, head dims and dtype; batch and
+    steps in the same power-of-two class (the state's size does not grow with the context)."""
+    B, T, HK, DK = k.shape
+    HV, DV = v.shape[2:]
+    return f"HK={HK} HV={HV} DK={DK} DV={DV} {dtype_name(q.dtype)} B<={size_class(B)} T<={size_class(T)}"
 
 
 @mx.compile
