@@ -67,6 +67,7 @@ RESPONSES_FIELDS = (
 )
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")  # no reasoning: nothing to encrypt
 CUSTOM_INPUT = "input"  # the one argument a custom tool is offered to the model with
+UNBOUNDED = 1 << 30  # no max_output_tokens: cut to what the context leaves (Server.fit_to_context)
 
 
 class ResponsesAPI(OpenAIEndpoints):
@@ -102,7 +103,9 @@ class ResponsesAPI(OpenAIEndpoints):
             prompt, chat, custom, logprobs, grammar = self._request(body)
             check_openai_ranges(body)
             options = {**sampling(body, {"stop": "stop"}), "logprobs": logprobs, "grammar": grammar}
-            max_tokens, stream, _ = self._length_and_stream(body, 512, ("max_output_tokens",))
+            # without max_output_tokens, an answer may run to the end of the context, as the reference's
+            # do (Codex sends none, and reads a response.incomplete as a failed turn)
+            max_tokens, stream, _ = self._length_and_stream(body, UNBOUNDED, ("max_output_tokens",))
             ignored = unknown_fields(body, RESPONSES_FIELDS)
             job, first = await self.server.start(prompt, max_tokens, options)
         except RequestError as e:
