@@ -25,7 +25,7 @@ from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
 from dflash_mlx.serve.forced_tools import forced_call_grammar  # noqa: E402
 from dflash_mlx.serve.protocol import RequestError, prompt_tokens  # noqa: E402
 from dflash_mlx.serve.responses_api import function_tools, input_messages  # noqa: E402
-from dflash_mlx.serve.tools import ToolCalls  # noqa: E402
+from dflash_mlx.serve.answer import ToolCalls  # noqa: E402
 from scripted_engine import scripted_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live servers and real clients
