@@ -278,7 +278,15 @@ def serve(
     from .api import load
 
     pipeline = pipeline_options(distributed, split, timeout)
-    pair, tokenizer = load(model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive, **pipeline)
+    pair, tokenizer = load(
+        model,
+        draft,
+        quant=quant,
+        use_draft=not no_draft,
+        adaptive=not no_adaptive,
+        batch_tokens=options.max_batch_tokens,  # the caches the variant chosen must leave room for
+        **pipeline,
+    )
     if no_suffix_drafts:
         pair.suffixes = None
     if distributed is not None and not pair.target.is_driver:
@@ -388,6 +396,36 @@ def _say_how_it_serves(server, name: str, host: str, port: int, api_key: Optiona
         "Ctrl-C drains and stops",
         err=True,
     )
+
+
+@app.command()
+@user_errors
+def launch(
+    agent: str = typer.Argument(..., help="claude (Claude Code), codex (Codex CLI) or opencode (OpenCode)."),
+    agent_args: Optional[list[str]] = typer.Argument(None, help="After --: arguments for the agent."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."
+    ),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter HF repo or local dir."),
+    quant: Optional[int] = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name."),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Serve plain target decoding."),
+    no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks."),
+    port: Optional[int] = typer.Option(
+        None,
+        "--port",
+        help="Reuse the dflash-mlx server on this port, else start one there (default: 8080's, else a free port).",
+    ),
+    wait: float = typer.Option(600.0, "--wait", help="Seconds a started server may take to load the model."),
+):
+    """Run a coding agent on a local server: started for it and stopped after it, or reused if one is running."""
+    from .serve import launch as launcher
+
+    options = launcher.ModelOptions(model, draft, quant, no_draft, no_adaptive)
+    try:
+        status = launcher.launch(agent, options, port, wait, agent_args or [])
+    except launcher.LaunchError as e:
+        fail(str(e))
+    raise typer.Exit(status)
 
 
 @train_app.command("make-data")
@@ -722,6 +760,26 @@ def convert_target(
 
     result = run(source, out, q_bits, q_group_size, dtype, force, dry_run)
     typer.echo(result if dry_run else f"model in {result}")
+
+
+@app.command()
+@user_errors
+def doctor(
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Also say what loading this model would take (offline: nothing is downloaded)."
+    ),
+    quant: Optional[int] = typer.Option(
+        None, "--quant", help="With a short name: its mlx-community 4- or 8-bit target."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+):
+    """What dflash-mlx would run on this machine and why: platform, memory, versions, kernels, BLAS, caches."""
+    import json
+
+    from .api.doctor import describe, report
+
+    facts = report(model, quant)
+    typer.echo(json.dumps(facts, indent=1) if as_json else describe(facts))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,274 @@
+"""`dflash-mlx launch` (serve/launch.py) with stand-in agents: small Python scripts named claude,
+codex and opencode, first on PATH, that record the arguments and environment they were given and
+call the server the way the real agent would be told to.  The server is the real one, on the
+tiny test model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import tomllib
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+pytest.importorskip("uvicorn", reason="the serve extra installs the server")
+
+from dflash_mlx.serve.launch import ModelOptions, Served, codex, context_window, output_budget, toml_value  # noqa: E402
+
+HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+# One script for the three stand-ins: it finds its settings where its agent would, calls the
+# server once (each agent's own API), and writes what it saw to $STANDIN_RECORD.
+STANDIN = textwrap.dedent(
+    """
+    import json, os, signal, sys, time, tomllib, urllib.request
+
+    if os.environ.get("STANDIN_WAIT"):  # Ctrl-C ends it, as it ends a program that does not catch it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    name, args = os.path.basename(sys.argv[0]), sys.argv[1:]
+
+    def call(url, key, body=None):
+        request = urllib.request.Request(url, json.dumps(body).encode() if body else None)
+        request.add_header("Authorization", f"Bearer {key}")
+        request.add_header("Content-Type", "application/json")
+        with http.open(request, timeout=120) as reply:
+            return reply.status, json.load(reply)
+
+    if name == "claude":
+        base, key, model = (os.environ[k] for k in ("ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_MODEL"))
+        base, config = base + "/v1", None
+        body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        path = "/messages"
+    elif name == "codex":
+        overrides = dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "-c")
+        config = {k: tomllib.loads(f"v = {v}")["v"] for k, v in overrides.items()}
+        provider = config["model_providers.dflash-mlx"]
+        base, key, model = provider["base_url"], os.environ[provider["env_key"]], config["model"]
+        body, path = {"model": model, "input": "hi", "max_output_tokens": 4}, "/responses"
+    else:
+        config = json.loads(os.environ["OPENCODE_CONFIG_CONTENT"])
+        options = config["provider"]["dflash-mlx"]["options"]
+        base, key, model = options["baseURL"], options["apiKey"], config["model"].split("/", 1)[1]
+        body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        path = "/chat/completions"
+    listed = call(base + "/models", key)
+    answered = call(base + path, key, body)
+    record = {"argv": args, "env": dict(os.environ), "config": config, "base": base, "listed": listed,
+              "answered": answered}
+    with open(os.environ["STANDIN_RECORD"] + ".part", "w") as out:
+        json.dump(record, out)
+    os.replace(os.environ["STANDIN_RECORD"] + ".part", os.environ["STANDIN_RECORD"])  # seen whole or not at all
+    if os.environ.get("STANDIN_WAIT"):
+        time.sleep(600)
+    sys.exit(int(os.environ.get("STANDIN_EXIT", "0")))
+    """
+)
+
+
+@pytest.fixture
+def agents_on_path(tmp_path):
+    """A folder holding the three stand-ins, and an environment that puts it first on PATH."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("claude", "codex", "opencode"):
+        script = folder / name
+        script.write_text(f"#!{sys.executable}\n{STANDIN}")
+        script.chmod(0o755)
+    env = {**os.environ, "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}", "STANDIN_RECORD": str(tmp_path / "rec")}
+    env["TMPDIR"] = str(tmp_path)  # where the started servers' logs go
+    env.pop("DFLASH_MLX_API_KEY", None)
+    return env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def answers(port: int) -> bool:
+    try:
+        with HTTP.open(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def tiny_model_options(tiny_dirs) -> list[str]:
+    model_dir, draft_dir = tiny_dirs
+    return ["--model", str(model_dir), "--draft", str(draft_dir), "--no-adaptive"]
+
+
+def launch(env, *args, timeout=300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "dflash_mlx.cli", "launch", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def recorded(env) -> dict:
+    with open(env["STANDIN_RECORD"]) as f:
+        return json.load(f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
+def test_a_started_server_serves_the_agent_and_is_gone_after_it(agent, agents_on_path, tiny_dirs):
+    port = free_port()
+    env = {**agents_on_path, "STANDIN_EXIT": "3"}
+    done = launch(env, agent, *tiny_model_options(tiny_dirs), "--port", str(port), "--", "--extra", "arg")
+    assert done.returncode == 3, done.stderr[-2000:]  # the agent's own exit status
+    record = recorded(env)
+    model_id = str(tiny_dirs[0])
+    assert record["listed"][0] == 200 and record["listed"][1]["data"][0]["id"] == model_id
+    assert record["answered"][0] == 200
+    assert record["argv"][-2:] == ["--extra", "arg"]  # after the launcher's own
+    assert record["base"] == f"http://127.0.0.1:{port}/v1"
+    budget = str(output_budget(4096))  # the tiny model's window
+    if agent == "claude":
+        env = record["env"]
+        assert env["ANTHROPIC_MODEL"] == env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == model_id
+        assert env["ANTHROPIC_AUTH_TOKEN"] and env["ANTHROPIC_API_KEY"] == ""
+        assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == budget and env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "4096"
+        assert env["DISABLE_TELEMETRY"] == env["DISABLE_ERROR_REPORTING"] == "1"
+        assert record["answered"][1]["type"] == "message"
+    elif agent == "codex":
+        config = record["config"]
+        assert config["model_provider"] == "dflash-mlx" and config["model"] == model_id
+        assert config["model_providers.dflash-mlx"]["wire_api"] == "responses"
+        assert config["model_context_window"] == 4096 and config["analytics.enabled"] is False
+        assert record["answered"][1]["object"] == "response"
+    else:
+        limit = record["config"]["provider"]["dflash-mlx"]["models"][model_id]["limit"]
+        assert limit == {"context": 4096, "output": int(budget)}
+        assert record["config"]["share"] == "disabled"
+        assert record["config"]["provider"]["dflash-mlx"]["options"]["timeout"] is False
+        assert record["answered"][1]["object"] == "chat.completion"
+    assert not answers(port)  # stopped when the agent exited
+
+
+@pytest.mark.slow
+def test_a_running_server_is_reused_and_left_running(agents_on_path, tiny_dirs):
+    port = free_port()
+    command = [sys.executable, "-m", "dflash_mlx.cli", "serve", *tiny_model_options(tiny_dirs), "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            if answers(port) or server.poll() is not None:
+                break
+            threading.Event().wait(0.1)
+        done = launch(agents_on_path, "claude", "--port", str(port))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "reusing the dflash-mlx server" in done.stderr
+        assert recorded(agents_on_path)["answered"][0] == 200
+        assert answers(port)  # not the launcher's to stop
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_agent_then_the_server(agents_on_path, tiny_dirs):
+    """Ctrl-C in a terminal reaches its foreground process group: the launcher and the agent.  The
+    agent decides what it does (here: it dies); the launcher then stops the server it started,
+    which is in a session of its own, and exits with the agent's status."""
+    port = free_port()
+    env = {**agents_on_path, "STANDIN_WAIT": "1"}
+    command = [sys.executable, "-m", "dflash_mlx.cli", "launch", "claude", *tiny_model_options(tiny_dirs)]
+    launcher = subprocess.Popen([*command, "--port", str(port)], env=env, start_new_session=True)
+    try:
+        for _ in range(3000):
+            if os.path.exists(env["STANDIN_RECORD"]) or launcher.poll() is not None:
+                break
+            threading.Event().wait(0.1)
+        assert answers(port)
+        os.killpg(launcher.pid, signal.SIGINT)
+        assert launcher.wait(120) == 128 + signal.SIGINT
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert not answers(port)
+
+
+def test_a_missing_agent_says_how_to_install_it(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no agent on it
+    done = launch(env, "codex", timeout=120)
+    assert done.returncode == 1
+    assert "Codex CLI is not installed" in done.stderr and "npm install -g @openai/codex" in done.stderr
+
+
+def test_an_unknown_agent_is_refused_by_name(agents_on_path):
+    done = launch(agents_on_path, "cursor", timeout=120)
+    assert done.returncode == 1 and "unknown agent 'cursor'" in done.stderr and "claude, codex, opencode" in done.stderr
+
+
+def test_a_given_port_taken_by_another_program_is_an_error(agents_on_path):
+    class NotDflash(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    other = HTTPServer(("127.0.0.1", 0), NotDflash)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        done = launch(agents_on_path, "opencode", "--port", str(other.server_port), timeout=120)
+    finally:
+        other.shutdown()
+    assert done.returncode == 1 and "is taken by a server that is not dflash-mlx" in done.stderr
+    assert not os.path.exists(agents_on_path["STANDIN_RECORD"])  # the agent never ran
+
+
+def test_model_options_pass_through_to_serve():
+    options = ModelOptions(model="Qwen3-4B", draft="d", quant=4, no_draft=True, no_adaptive=True)
+    assert options.serve_arguments() == [
+        "--model",
+        "Qwen3-4B",
+        "--draft",
+        "d",
+        "--quant",
+        "4",
+        "--no-draft",
+        "--no-adaptive",
+    ]
+    assert ModelOptions().serve_arguments() == []
+
+
+def test_the_reply_budget_leaves_the_window_to_the_conversation():
+    assert output_budget(8192) == 1024 and output_budget(40960) == 5120
+    assert output_budget(262144) == 32000  # the agents' own ceiling
+    assert output_budget(None) == 8192  # a window not known here: what every published target holds
+
+
+def test_codex_overrides_are_toml_and_leave_the_window_room_for_a_reply():
+    args, env = codex(Served("http://127.0.0.1:9", "k", 'a "quoted"/model', 40960))
+    config = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (a.split("=", 1) for a in args[1::2])}
+    assert args[::2] == ["-c"] * len(config)
+    assert config["model"] == 'a "quoted"/model' and config["model_providers.dflash-mlx"]["env_key"] in env
+    assert config["model_auto_compact_token_limit"] == 40960 - 2 * output_budget(40960)
+    assert toml_value({"a": 1, "b": "x"}) == '{a = 1, b = "x"}'
+
+
+def test_a_short_names_window_is_read_from_whichever_variant_is_cached(tmp_path, monkeypatch):
+    """The server may load any variant of a short name (the one that fits the machine); all share
+    the window, found in a config's text_config too (multimodal targets)."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "models--mlx-community--Qwen3-8B-4bit"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "snapshots" / "abc" / "config.json").write_text(
+        json.dumps({"text_config": {"max_position_embeddings": 40960}})
+    )
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert context_window("Qwen3-8B", None) == 40960
+    assert context_window("Qwen3-4B", None) is None  # not on this machine: the agents' defaults apply
