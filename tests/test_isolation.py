@@ -55,6 +55,9 @@ class RefusingGrammar:
             def masks(self, proposal):
                 return None
 
+            def forced(self, limit):
+                return []
+
             def commit(self, tokens):
                 self.commits += 1
                 if self.commits == grammar.at:

@@ -365,7 +365,7 @@ class Planner:
                     row.copy_widths[plan.kind] = n + 2
                 elif plan.kind in row.copy_widths:  # the cap doubles, even when the plan chose narrower
                     row.copy_widths[plan.kind] = min(self.max_width, 2 * row.copy_widths[plan.kind])
-            if plan.width > 1:
+            if plan.width > 1 and plan.source != "grammar":  # forced tokens are certain: nothing to learn
                 self.estimate(row, plan.kind).observe(plan.width, n)
                 long_run = self._long_run(plan.kind)
                 long_run.age()
@@ -382,7 +382,7 @@ def span(rows: list[Row]) -> int:
     return context_class(max(row.context_length for row in rows))
 
 
-FORCED_WIDEST = 16  # a verify of tokens a grammar forces: certain, so as wide as one pass sensibly goes
+FORCED_WIDEST = 16  # a verify of forced tokens without a drafter (with one: its block, the widest measured)
 
 
 def with_forced(rows: list[Row], plans: list[Plan]) -> list[Plan]:
@@ -392,7 +392,7 @@ def with_forced(rows: list[Row], plans: list[Plan]) -> list[Plan]:
     stretch keeps its plan: it proposes those tokens too)."""
     out = []
     for row, plan in zip(rows, plans):
-        forced = row.forced(min(FORCED_WIDEST, row.left) - 1)
+        forced = row.forced(min(row.block if row.block > 1 else FORCED_WIDEST, row.left) - 1)
         out.append(
             Plan(len(forced) + 1, "grammar", tuple(forced)) if len(forced) + 1 >= plan.width > 0 and forced else plan
         )
