@@ -115,9 +115,9 @@ def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
     def accept_everything(proposal, target_choice):
         return mx.array(proposal.size), target_choice[-1]
 
-    import dflash_mlx.decode.decoder as engine
+    import dflash_mlx.decode.verify as verify
 
-    monkeypatch.setattr(engine, "accept", accept_everything)
+    monkeypatch.setattr(verify, "accept", accept_everything)
     counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0)
     assert chi_square_p_value(counts, joint) < 1e-6
 
