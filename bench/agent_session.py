@@ -1125,7 +1125,8 @@ class CodexTheirs:
 
         tools, custom = function_tools(body["tools"])
         messages = [{"role": "system", "content": body["instructions"]}] + input_messages(body["input"])
-        reply = chat_turn(self.client, as_chat(messages, tools), body.get("max_output_tokens") or 512)
+        unbounded = 1 << 30  # no max_output_tokens: to the end of the context, as ours answers then
+        reply = chat_turn(self.client, as_chat(messages, tools), body.get("max_output_tokens") or unbounded)
         text, calls = parse_calls(reply.pop("raw"), tools)
         output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]
         output = output if text or not calls else []
@@ -1410,11 +1411,12 @@ SHAPE_NOTES = {
         "environment context, message, function_call, function_call_output and their answers sent back without ids); "
         "tools: shell, the custom apply_patch (lark grammar), update_plan, view_image and 3 MCP functions; reasoning "
         "effort medium, summary auto; include reasoning.encrypted_content; store false; parallel_tool_calls false; "
-        "prompt_cache_key the session id; no max_output_tokens unless the run caps answers (the server's default, 512, "
-        "then). mlx_lm.server has no Responses API (mlx-lm 0.32.2: /v1/completions and /v1/chat/completions only): it "
-        "gets the OpenAI chat messages our Responses endpoint renders (developer turns as system turns, tools written "
-        "out as ours writes them), so both render the same prompt. Cache read = usage.input_tokens_details."
-        "cached_tokens / input_tokens on ours, prompt_tokens_details.cached_tokens / prompt_tokens on mlx_lm.server."
+        "prompt_cache_key the session id; no max_output_tokens unless the run caps answers (without it, an answer "
+        "may run to the end of the context on both servers). mlx_lm.server has no Responses API (mlx-lm 0.32.2: "
+        "/v1/completions and /v1/chat/completions only): it gets the OpenAI chat messages our Responses endpoint "
+        "renders (developer turns as system turns, tools written out as ours writes them), so both render the same "
+        "prompt. Cache read = usage.input_tokens_details.cached_tokens / input_tokens on ours, "
+        "prompt_tokens_details.cached_tokens / prompt_tokens on mlx_lm.server."
     ),
 }
 
