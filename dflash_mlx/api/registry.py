@@ -8,14 +8,13 @@ whose weights, drafter and KV caches fit this machine's memory (`fitting_variant
 """
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import mlx.core as mx
 from huggingface_hub import try_to_load_from_cache
 
+from ..cache.prompt_cache import device_memory
 from ..convert.smollm2 import DEFAULT_MODEL, smollm2_path
 from ..io.storage import looks_like_path
 
@@ -171,14 +170,6 @@ class Footprint:
 class Choice:
     quant: Optional[int]
     reason: str  # one line: which variant and why
-
-
-def device_memory() -> tuple[int, Optional[int]]:
-    """This machine's memory in bytes, and the GPU's recommended working set where MLX reports one (a Mac)."""
-    info = mx.device_info()
-    total = info.get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    recommended = info.get("max_recommended_working_set_size")
-    return int(total), int(recommended) if recommended else None
 
 
 def memory_budget() -> Budget:

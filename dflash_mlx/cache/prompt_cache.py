@@ -144,11 +144,18 @@ class Pieces:
                 self.nbytes -= sum(a.nbytes for a in self.arrays.pop(name))
 
 
+def device_memory() -> tuple[int, Optional[int]]:
+    """This machine's memory in bytes, and the GPU's recommended working set where MLX reports one (a Mac)."""
+    info = mx.device_info()
+    total = info.get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    recommended = info.get("max_recommended_working_set_size")
+    return int(total), int(recommended) if recommended else None
+
+
 def machine_memory() -> int:
     """Bytes the device may hold: the GPU's recommended working set on a Mac, else the RAM."""
-    info = mx.device_info()
-    found = info.get("max_recommended_working_set_size") or info.get("memory_size")
-    return int(found) if found else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total, recommended = device_memory()
+    return recommended or total
 
 
 def default_bytes(weights: int, memory: int) -> int:
