@@ -7,7 +7,6 @@ localhost.  Greedy answers are checked against offline generation from the same 
 
 import json
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -15,8 +14,8 @@ import pytest
 openai = pytest.importorskip("openai", reason="the dev extra installs the openai client")
 anthropic = pytest.importorskip("anthropic", reason="the dev extra installs the anthropic client")
 
+from live_server import live_server  # noqa: E402
 from dflash_mlx import generate, load  # noqa: E402
-from dflash_mlx.serve import make_app, serve_in_background  # noqa: E402
 from dflash_mlx.serve.protocol import prompt_tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live servers and real clients
@@ -120,19 +119,8 @@ def title_body(cch: str) -> dict:
 def live(tiny_dirs):
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
-    server = make_app(model, tokenizer, "tiny", max_queue=4)  # the prompt cache on, sized for the machine
-    http, port = serve_in_background(server)
-    base = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(
-        model=model,
-        tokenizer=tokenizer,
-        server=server,
-        base=base,
-        openai=openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
-        anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0),
-    )
-    http.should_exit = True
-    server.worker.stop()  # an engine thread left running at exit aborts the process (MLX streams)
+    with live_server(model, tokenizer, max_queue=4) as served:  # the prompt cache on, sized for the machine
+        yield served
 
 
 @pytest.fixture

@@ -20,8 +20,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
+from live_server import live_server  # noqa: E402
 from dflash_mlx import generate, load  # noqa: E402
-from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
+from dflash_mlx.serve import worker  # noqa: E402
 from dflash_mlx.serve.forced_tools import forced_call_grammar  # noqa: E402
 from dflash_mlx.serve.protocol import RequestError, prompt_tokens  # noqa: E402
 from dflash_mlx.serve.responses_api import function_tools, input_messages  # noqa: E402
@@ -161,19 +162,8 @@ def codex_body(**changes) -> dict:
 def live(tiny_dirs):
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
-    server = make_app(model, tokenizer, "tiny", max_queue=4, prompt_cache_bytes=0)
-    http, port = serve_in_background(server)
-    base = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(
-        model=model,
-        tokenizer=tokenizer,
-        base=base,
-        server=server,
-        openai=openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
-        anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0),
-    )
-    http.should_exit = True
-    server.worker.stop()  # an engine thread left running at exit aborts the process (MLX streams)
+    with live_server(model, tokenizer, max_queue=4, prompt_cache_bytes=0) as served:
+        yield served
 
 
 @pytest.fixture

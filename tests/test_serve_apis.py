@@ -4,7 +4,6 @@
 import json
 import time
 import urllib.request
-from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -13,8 +12,9 @@ openai = pytest.importorskip("openai", reason="the dev extra installs the openai
 anthropic = pytest.importorskip("anthropic", reason="the dev extra installs the anthropic client")
 langchain_openai = pytest.importorskip("langchain_openai", reason="the dev extra installs langchain-openai")
 
+from live_server import live_server  # noqa: E402
 from dflash_mlx import generate, load, stream_generate  # noqa: E402
-from dflash_mlx.serve import app, make_app, serve_in_background, worker  # noqa: E402
+from dflash_mlx.serve import app, worker  # noqa: E402
 from dflash_mlx.serve.protocol import next_turn_tokens  # noqa: E402
 from scripted_engine import scripted_batch  # noqa: E402
 
@@ -32,20 +32,8 @@ CALL = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_cal
 def live(tiny_dirs):
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir), adaptive=False)
-    server = make_app(model, tokenizer, "tiny", max_queue=4)
-    http, port = serve_in_background(server)
-    base = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(
-        model=model,
-        tokenizer=tokenizer,
-        port=port,
-        base=base,
-        server=server,
-        openai=openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
-        anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0),
-    )
-    http.should_exit = True
-    server.worker.stop()  # an engine thread left running at exit aborts the process (MLX streams)
+    with live_server(model, tokenizer, max_queue=4) as served:
+        yield served
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:

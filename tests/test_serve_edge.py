@@ -9,7 +9,6 @@ import re
 import threading
 import time
 import traceback
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the dev extra installs the openai client")
 anthropic = pytest.importorskip("anthropic", reason="the dev extra installs the anthropic client")
 
+from live_server import live_server  # noqa: E402
 from dflash_mlx import load  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
 from scripted_engine import scripted_batch, slow_batch  # noqa: E402
@@ -38,17 +38,8 @@ def tiny(tiny_dirs):
 @pytest.fixture(scope="module")
 def live(tiny):
     model, tokenizer = tiny
-    server = make_app(model, tokenizer, "tiny", max_queue=4, prompt_cache_bytes=0)
-    http, port = serve_in_background(server)
-    base = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(
-        server=server,
-        base=base,
-        openai=openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
-        anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0),
-    )
-    http.should_exit = True
-    server.worker.stop()  # an engine thread left running at exit aborts the process (MLX streams)
+    with live_server(model, tokenizer, max_queue=4, prompt_cache_bytes=0) as served:
+        yield served
 
 
 @pytest.fixture
