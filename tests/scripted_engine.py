@@ -29,18 +29,36 @@ def scripted_batch(reply):
             )
 
     class ScriptedBatch:
+        """Up to `max_batch` requests answered together, the others waiting (first come first
+        served) as the decoder's do; prompts offered for idle prefills are recorded."""
+
         last_step = None
         failed: dict = {}
 
-        def __init__(self, *args):
-            self.running, self.uids = {}, iter(range(1 << 30))
+        def __init__(self, model=None, tokenizer=None, max_batch=8, *args):
+            self.max_batch, self.offered = max_batch, []
+            self.running, self.queued, self.uids = {}, {}, iter(range(1 << 30))
+
+        @property
+        def busy(self):
+            return bool(self.running or self.queued)
+
+        @property
+        def waiting(self):
+            return list(self.queued)
+
+        def prefill_when_idle(self, prompt):
+            self.offered.append(prompt)
 
         def insert(self, prompt, max_tokens, **options):
             uid = next(self.uids)
-            self.running[uid] = responses(prompt)
+            self.queued[uid] = prompt
             return uid
 
         def next(self):
+            while self.queued and len(self.running) < self.max_batch:
+                uid = next(iter(self.queued))
+                self.running[uid] = responses(self.queued.pop(uid))
             out = [(uid, next(steps)) for uid, steps in self.running.items()]
             for uid, response in out:
                 if response.finish_reason:
@@ -49,6 +67,7 @@ def scripted_batch(reply):
 
         def remove(self, uid):
             self.running.pop(uid, None)
+            self.queued.pop(uid, None)
 
         discard = remove
 

@@ -357,7 +357,7 @@ import mlx.core as mx
 from dflash_mlx.serve import worker
 
 twice_plus_one = mx.compile(lambda x: x * 2 + 1)
-worker.BatchGenerator = lambda *args: SimpleNamespace(close=lambda: None)
+worker.BatchGenerator = lambda *args: SimpleNamespace(close=lambda: None, waiting=[])
 
 class Compiling(worker.Worker):
     def _run(self):
@@ -527,105 +527,3 @@ def test_concurrent_requests_are_batched_and_each_is_exact(served):
     assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [
         generate(model, tokenizer, "one two", max_tokens=10, temp=0.9, seed=4 + k) for k in range(3)
     ]
-
-
-def test_an_idle_prefill_runs_beside_a_full_batch_unless_a_running_answer_holds_it(served, monkeypatch):
-    """Where requests batch, the worker keeps a row beyond max_batch for idle prefills: a
-    conversation's next turn is prefilled while max_batch answers are being written.  An idle
-    prompt that a running job's prompt and answer so far already hold (its text reads back as
-    the model wrote it) is not prefilled again."""
-    from types import SimpleNamespace
-
-    from dflash_mlx.serve import worker
-    from dflash_mlx.serve.worker import Job
-    from scripted_engine import slow_batch
-
-    _, model, tokenizer, _, _ = served
-    inserted = []
-
-    class Recording(slow_batch(pieces=30, seconds_per_step=0.02)):
-        def insert(self, prompt, max_tokens, **options):
-            inserted.append(tuple(prompt))
-            return super().insert(prompt, max_tokens, **options)
-
-    monkeypatch.setattr(worker, "BatchGenerator", Recording)
-    engine = worker.Worker(model, tokenizer, 4, max_batch=2, prompt_cache=SimpleNamespace(covered=lambda tokens: 0))
-    engine.idle_prefill_min_tokens = 2
-    try:
-        jobs = [engine.submit(Job([9, k], 30, {})) for k in range(2)]
-        while len(engine.active) < 2:
-            time.sleep(0.005)
-        while not engine.active[next(iter(engine.active))][0].output[2:]:
-            time.sleep(0.005)
-        engine.prefill_when_idle([9, 0, 1000, 1001])  # job 0's answer so far: held, nothing to do
-        while engine.idle_prompts:
-            time.sleep(0.005)
-        engine.prefill_when_idle([9, 1, 1000, 5, 6, 7])  # departs from job 1's answer: prefilled
-        deadline = time.monotonic() + 10
-        while len(inserted) < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert all(worker.DONE not in list(job.events.queue) for job in jobs), "not prefilled beside them"
-        assert inserted == [(9, 0), (9, 1), (9, 1, 1000, 5, 6, 7)]
-    finally:
-        engine.stop()
-
-
-def test_a_request_stops_an_idle_prefill_or_waits_for_its_own(served, monkeypatch):
-    """The idle prefill yields to a request of another conversation (removed before it is in), and
-    holds back a request continuing its own conversation until it is in."""
-    from types import SimpleNamespace
-
-    from dflash_mlx.serve import worker
-    from dflash_mlx.serve.worker import Job
-    from scripted_engine import slow_batch
-
-    _, model, tokenizer, _, _ = served
-    log = []
-
-    class Recording(slow_batch(pieces=4, seconds_per_step=0.05)):
-        def insert(self, prompt, max_tokens, **options):
-            uid = super().insert(prompt, max_tokens, **options)
-            log.append(("insert", tuple(prompt)))
-            return uid
-
-        def next(self):
-            out = super().next()
-            log.extend(("end", uid) for uid, response in out if response.finish_reason)
-            return out
-
-    monkeypatch.setattr(worker, "BatchGenerator", Recording)
-    engine = worker.Worker(model, tokenizer, 4, max_batch=2, prompt_cache=SimpleNamespace(covered=lambda tokens: 0))
-    engine.idle_prefill_min_tokens = 1
-    try:
-        engine.prefill_when_idle([1, 2, 3])
-        while not log:
-            time.sleep(0.005)
-        other = engine.submit(Job([9, 9], 2, {}))
-        while other.events.get(timeout=10) is not worker.DONE:
-            pass
-        assert log == [("insert", (1, 2, 3)), ("insert", (9, 9)), ("end", 1)]  # the prefill never ended
-
-        log.clear()
-        engine.prefill_when_idle([4, 5, 6])
-        while not log:
-            time.sleep(0.005)
-        own = engine.submit(Job([4, 5, 6, 7], 2, {}))
-        while own.events.get(timeout=10) is not worker.DONE:
-            pass
-        assert log == [("insert", (4, 5, 6)), ("end", 2), ("insert", (4, 5, 6, 7)), ("end", 3)]  # after it
-        assert engine.idle_prefill is None and not engine.held
-
-        engine.prefill_when_idle([4, 5, 6, 7, 8][:3])  # already asked for by a request: nothing to do
-        assert not engine.idle_prompts
-
-        log.clear()  # a free row takes the next turn while another conversation decodes
-        busy = engine.submit(Job([7, 7], 40, {}))
-        while not log:
-            time.sleep(0.005)
-        engine.prefill_when_idle([1, 2, 3, 4])
-        while busy.events.get(timeout=10) is not worker.DONE:
-            pass
-        assert log[:2] == [("insert", (7, 7)), ("insert", (1, 2, 3, 4))]  # before the decoding one ended
-        assert log[2][0] == "end"
-    finally:
-        engine.stop()

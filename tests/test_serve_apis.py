@@ -117,11 +117,11 @@ def test_anthropic_stop_sequences_sampling_and_extra_body(live):
 def wait_idle(server, seconds: float = 30.0) -> None:
     """Until the worker has nothing left to prefill (the answer's follow-up runs after it is sent)."""
     deadline = time.monotonic() + seconds
-    while server.worker.idle_prompts or server.worker.idle_prefill is not None or server.worker.active:
+    while not server.worker.idle:
         assert time.monotonic() < deadline, "the idle prefill did not finish"
         time.sleep(0.02)
     time.sleep(0.2)  # a background task not yet queued would show here
-    assert not server.worker.idle_prompts and server.worker.idle_prefill is None
+    assert server.worker.idle
 
 
 @pytest.mark.parametrize("api,least", [("anthropic", 1), ("openai", 1), ("responses", 1), ("anthropic", 32)])
@@ -132,7 +132,7 @@ def test_the_next_turn_is_prefilled_while_the_client_acts(live, api, least, monk
     fewer than `least` tokens to what is kept (this answer reads back as written: its closing
     tokens only), which the next turn's own pass then takes."""
     monkeypatch.setattr(live.server, "next_turn_prefill", True)
-    monkeypatch.setattr(live.server.worker, "idle_prefill_min_tokens", least)
+    monkeypatch.setattr(live.server.worker.batch.decoder.idle, "min_tokens", least)
     system = f"You are a {api} agent ({least})."
     messages = [{"role": "user", "content": "read the file"}]
     if api == "anthropic":

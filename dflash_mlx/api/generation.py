@@ -321,6 +321,18 @@ class BatchGenerator:
         self.responses[uid] = Responses(self.tokenizer, request, stop)  # a detokenizer of its own
         return uid
 
+    @property
+    def waiting(self) -> list[int]:
+        """The uids of the requests waiting for room (not yet prefilling)."""
+        return [row.uid for row in self.decoder.waiting]
+
+    def prefill_when_idle(self, prompt: list[int]) -> None:
+        """Prefill `prompt` (token ids) into the prompt cache once no request waits (a
+        conversation as its next request will begin); one too long for the context is not."""
+        limit = context_limit(self.model.target)
+        if limit is None or len(prompt) < limit:
+            self.decoder.prefill_when_idle(list(prompt))
+
     def remove(self, uid: int) -> None:
         self.decoder.remove(uid)
         self.responses.pop(uid, None)

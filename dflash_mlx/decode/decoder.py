@@ -22,6 +22,7 @@ Every row's output is what it gets alone: greedy chooses the same tokens, sampli
 the same noise per (seed, position) (sampling.py), whatever the widths and the batch.
 """
 
+import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -31,15 +32,19 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..kernels.fused_ops import fusing
-from .grammar import Grammar, masked
+from .grammar import Grammar
+from .idle import IdlePrefills
 from .model import DecodeStats, DFlashModel, Step
-from .plan import PLAIN, Plan, fixed_plan, with_forced
+from .plan import PLAIN, Plan, fixed_plan, step_passes
 from ..cache.prompt_cache import PromptCache
+from .prefill import fill_chunk
 from .prefix import PrefixPolicy
-from .rows import joined, settled, tree_arrays, without
+from .rows import joined, settled, without
 from .verify import Pass, verify_pass, verify_passes
 from .request import Request
-from ..sampling import SamplingParams, choose
+from ..sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PREFILL_STEP = 512  # prompt tokens a step prefills (the decoding rows wait for them once a step)
 # On a CPU a pass's attention computes every score of its queries against its own keys, the
@@ -81,7 +86,10 @@ class Decoder:
     included); above, on mlx-lm's batch caches.  With `max_batch_tokens`, a request joins only
     while the batch's caches stay within that many tokens (rows x the longest row, padding
     included, at its longest: batch caches hold every row at the longest one's length); a
-    request too long for the bound runs alone once the batch is empty.
+    request too long for the bound runs alone once the batch is empty.  While no request
+    waits, prompts offered by `prefill_when_idle` are prefilled into the prompt cache, one at a
+    time, on a row beyond `max_batch` (where requests batch): a request joining stops that,
+    unless it continues that very prompt (it then waits for it, and restores it).
 
     As mlx-lm's generation does, it computes on mlx-lm's generation stream and, from its
     creation to `close()`, with the GPU's wired memory limit at its recommended size (the
@@ -103,6 +111,7 @@ class Decoder:
         self.filling: list[Request] = []  # prefilling together, in the fill cache's row order
         self.fill_cache = None
         self.waiting: list[Request] = []  # queued until there is room
+        self.idle = IdlePrefills(prompt_cache, max_batch)
         self._queued: Optional[Pass] = None  # the next plain pass, already running
         self._read_at = 0.0  # when the last step's tokens were read
         self._next_uid = 0
@@ -116,22 +125,29 @@ class Decoder:
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows or self.filling or self.waiting)
+        return bool(self.rows or self.filling or self.waiting or self.idle.prompts)
 
     def add(self, request: Request) -> int:
         """Queue a request; its uid.  Its Steps come out of step()."""
         request.uid, self._next_uid = self._next_uid, self._next_uid + 1
         request.begin(self.model)
         self.waiting.append(request)
+        self.idle.asked(request.prompt)
         return request.uid
+
+    def prefill_when_idle(self, prompt: list[int]) -> None:
+        """Prefill `prompt` into the prompt cache once no request waits (idle.py: the latest
+        offer first; one a request or the cache already holds is not)."""
+        self.idle.offer(prompt)
 
     def remove(self, *uids: int) -> None:
         """Drop requests (finished, stopped or cancelled); their rows are freed before the next step,
         and what they decoded is kept in the prompt cache (a chat's next turn starts from it) and
         in the model's store of answers (later requests copy from it)."""
-        leaving = [i for i, row in enumerate(self.rows) if row.uid in uids]
         with mx.stream(self.stream):
-            self._keep_answers(leaving)
+            for i in [i for i, row in enumerate(self.rows) if row.uid in uids]:
+                fed = self.rows[i].fed if self._queued is None else self._queued.fed(self.rows[i])
+                self.prefix.keep_answer(self.rows[i], self.cache, i, fed)
         self.discard(*uids)
 
     def discard(self, *uids: int) -> None:
@@ -160,24 +176,20 @@ class Decoder:
                 if pipelined:
                     self._join(steps)
             except Exception as error:
-                raise StepFailed(error, self._abandon()) from error
+                raise StepFailed(error, self._abandon(error)) from error
             self.discard(*failed)
             self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
         return BatchStep(size, width, steps, passes, failed)
 
-    def _abandon(self) -> set[int]:
+    def _abandon(self, error: Exception) -> set[int]:
         """After a failed step: the uids of every request it was decoding or prefilling, dropped
-        with their caches and the pass queued for them, nothing of them kept."""
-        uids = {row.uid for row in self.rows + self.filling}
+        with their caches and the pass queued for them, nothing of them kept (an idle prefill's
+        failure, which no client hears of, is logged)."""
+        if any(row.background for row in self.filling):
+            logger.error("an idle prefill failed: %s", error, exc_info=error)
+        uids = {row.uid for row in self.rows + self.filling if not row.background}
         self.rows, self.cache, self.filling, self.fill_cache, self._queued = [], None, [], None, None
         return uids
-
-    def _keep_answers(self, leaving: list[int]) -> None:
-        """The state of each leaving row after its prompt and answer, into the prompt cache."""
-        for i in leaving:
-            row = self.rows[i]
-            fed = row.fed if self._queued is None else self._queued.fed(row)
-            self.prefix.keep_answer(row, self.cache, i, fed)
 
     # ------------------------------------------------------------ joining
 
@@ -203,15 +215,33 @@ class Decoder:
             if self.prefix.awaited(row, self.filling) is not None:
                 continue
             self.waiting.remove(row)
-            if self._queued is None:  # (a queued pass, never there while requests wait, would have fed one more token)
-                self.prefix.keep_shared(row, self.rows, self.cache)
-            tcache, start = self.prefix.restore(row)
-            row.unfilled = row.prompt[start:]
-            self.filling.append(row)
-            self.fill_cache = joined(self.fill_cache, [tcache], self.max_batch > 1)
+            self.discard(*(other.uid for other in self.filling if other.background))  # idle time is over
+            self._start(row)
+        if not self.waiting:
+            self._start_idle_prefill()
+
+    def _start(self, row: Request) -> None:
+        """`row` starts its prefill."""
+        if self._queued is None:  # (a queued pass, never there while requests wait, would have fed one more token)
+            self.prefix.keep_shared(row, self.rows, self.cache)
+        tcache, start = self.prefix.restore(row)
+        row.unfilled = row.prompt[start:]
+        self.filling.append(row)
+        self.fill_cache = joined(self.fill_cache, [tcache], self.max_batch > 1)
+
+    def _start_idle_prefill(self) -> None:
+        """The latest prompt offered for an idle prefill, if one is worth it, starts on a row of its
+        own: beyond max_batch where requests batch (idle time beside a full batch is used too)."""
+        busy = self.rows + self.filling
+        if any(row.background for row in busy) or len(busy) >= self.max_batch + (self.max_batch > 1):
+            return
+        if (prompt := self.idle.next(self.rows)) is not None:
+            # width 1: a prompt state and drafter context to keep, no draft or answer to learn from
+            self.add(Request(prompt, 1, block_size=1, background=True))
+            self._start(self.waiting.pop())
 
     def _room_for(self, row: Request) -> bool:
-        others = self.rows + self.filling
+        others = [other for other in self.rows + self.filling if not other.background]
         if len(others) >= self.max_batch:
             return False
         if not others or self.max_batch_tokens is None:
@@ -231,32 +261,14 @@ class Decoder:
         Whether any did."""
         rows, tic = self.filling, self.clock()
         awaited = self.prefix.awaited_by(self.waiting[: self.max_batch], rows)
-        span = max(size // len(rows), 1)
-        chunks = [row.unfilled[: self.prefix.chunk_length(row, span)] for row in rows]
-        lengths = [len(chunk) for chunk in chunks]
-        tokens = mx.array([chunk + [0] * (max(lengths) - len(chunk)) for chunk in chunks])
-        self.fill_cache.pad_right(lengths)
-        logits, features = self.model.target(
-            tokens, self.fill_cache, self.model.feature_layers, logits_at=[n - 1 for n in lengths]
-        )
-        self.fill_cache.finalize()
-        firsts = {}
-        for i, (row, n) in enumerate(zip(rows, lengths)):
-            row.context.add(None if features is None else features[i : i + 1, :n])
-            row.unfilled = row.unfilled[n:]
-            if not row.unfilled:
-                firsts[i] = choose(masked(logits[i], row.masks([])), row.params, row.noise_at(0, 1))
-            self.prefix.keep_along(row, self.fill_cache, i, awaited)
-        mx.eval(
-            tree_arrays([c.state for c in self.fill_cache.layers]),
-            tree_arrays([c.state for row in rows for c in row.context.flush() or []]),
-            list(firsts.values()),
-        )
+        firsts, logits = fill_chunk(self.model, rows, self.fill_cache, size, self.prefix, awaited)
         seconds = self.clock() - tic
         for row in rows:
             row.stats.prompt_seconds += seconds
         for i, chosen in firsts.items():
-            steps[rows[i].uid] = rows[i].record(None, chosen.tolist(), 0, logits[i])
+            step = rows[i].record(None, chosen.tolist(), 0, logits[i])
+            if not rows[i].background:
+                steps[rows[i].uid] = step
         done = list(firsts)
         if len(done) < len(rows):
             mx.clear_cache()  # a long prompt's chunks: their activations are not kept
@@ -338,23 +350,14 @@ class Decoder:
         return width, len(done)
 
     def _passes(self) -> list[tuple[int, list[Plan]]]:
-        """The step's target passes, as (first row, plans of its rows): one, or (a planner's
-        choice, on a batch that can run a pass over some rows alone) two, over consecutive rows,
-        the batch's rows reordered first when they are not."""
-        rows, planner = self.rows, self.model.planner
-        if planner is None:
-            return [(0, with_forced(rows, [fixed_plan(row.block, row.left) for row in rows]))]
-        passes = planner.passes(rows, self.model.draft is not None, apart=len(rows) > 1 and self.cache.splittable)
-        passes = sorted((indices, with_forced([rows[i] for i in indices], plans)) for indices, plans in passes)
-        order = [i for indices, _ in passes for i in indices]
-        if order != list(range(len(rows))):
-            self.rows = [rows[i] for i in order]
+        """The step's target passes, as (first row, plans of its rows) (plan.step_passes), the
+        batch's rows reordered first when they are not in the passes' order."""
+        order, passes = step_passes(self.model.planner, self.rows, self.model.draft is not None, self.cache.splittable)
+        if order != list(range(len(self.rows))):
+            self.rows = [self.rows[i] for i in order]
             self.cache.keep_rows(order)
             settled(self.cache)  # the copy is not the pass's: it would teach the planner a dear shape
-        starts = [0]
-        for indices, _ in passes[:-1]:
-            starts.append(starts[-1] + len(indices))
-        return [(start, plans) for start, (_, plans) in zip(starts, passes)]
+        return passes
 
     def _queue_next(self, rows: list[Request], current: Pass) -> None:
         """After a plain pass, the next one too when nothing joins, no row ends or has a grammar

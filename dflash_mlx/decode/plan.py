@@ -403,3 +403,19 @@ def fixed_plan(block: int, left: int) -> Plan:
     """A row's plan without a planner: the drafter at its block size (cut to what is left)."""
     width = min(block, left)
     return Plan(width, "dflash") if width > 1 else PLAIN
+
+
+def step_passes(
+    planner: Optional[Planner], rows: list[Row], drafting: bool, splittable: bool
+) -> tuple[list[int], list[tuple[int, list[Plan]]]]:
+    """A step's target passes over `rows`: the order the rows take (their indices) and, in that
+    order, each pass as (its first row, its rows' plans).  One pass, or (a planner's choice, on
+    a batch that can run a pass over some rows alone) two over consecutive rows."""
+    if planner is None:
+        return list(range(len(rows))), [(0, with_forced(rows, [fixed_plan(row.block, row.left) for row in rows]))]
+    passes = planner.passes(rows, drafting, apart=len(rows) > 1 and splittable)
+    passes = sorted((indices, with_forced([rows[i] for i in indices], plans)) for indices, plans in passes)
+    starts = [0]
+    for indices, _ in passes[:-1]:
+        starts.append(starts[-1] + len(indices))
+    return [i for indices, _ in passes for i in indices], [(start, plans) for start, (_, plans) in zip(starts, passes)]

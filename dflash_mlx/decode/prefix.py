@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..cache.prompt_cache import PromptCache
 from ..target.wrapper import TargetCache
+from .idle import extends
 from .model import DFlashModel
 from .request import Request
 
@@ -69,7 +70,11 @@ class PrefixPolicy:
         SHARED_MIN or more of them beyond what the prompt cache holds for `row` already (two turns
         of one conversation, say, differ only in their new tokens: waiting would save none), and
         how many of them `row` restores once it has (where caches cannot be cut back, up to the
-        last snapshot inside)."""
+        last snapshot inside).  A request continuing an idle prefill's prompt waits for all of it,
+        whatever its caches: that prompt's state is kept whole at its end."""
+        for other in filling:
+            if other.background and extends(row.prompt, other.prompt):
+                return other, len(other.prompt)
         if self.cache is None or not (self.cut_back(row) or self.snapshot_every) or not filling:
             return None
         covered = self.cache.covered(row.prompt[:-1])

@@ -54,6 +54,8 @@ class Request:
     logprobs: Optional[int] = None
     grammar: Optional[Grammar] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
+    # a prompt prefilled while idle (idle.py): no one reads its Step, and a request joining stops it
+    background: bool = False
     uid: int = -1
     # set when decoding starts (begin)
     block: int = 1  # its widest verify (its block size; 1 without a drafter)
