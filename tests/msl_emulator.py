@@ -5,7 +5,9 @@ The Metal source is the one mx.fast.metal_kernel itself generates for the launch
 the call without a Metal device, through the same kernels.run_metal the decoder
 uses.  That source is compiled as C++ against tests/msl/metal_emulation.h and
 run over the grid with Metal's dispatchThreads semantics; device reads are
-counted per input buffer."""
+counted per input buffer, simd operations per simdgroup of each threadgroup.
+Outputs start as NaN bytes, as a GPU's fresh buffers hold garbage: an element
+the kernel never writes shows up in the results."""
 
 import hashlib
 import re
@@ -56,8 +58,9 @@ class Generated:
 
 @dataclass
 class Emulation:
-    outputs: list[mx.array]
+    outputs: list[mx.array]  # the launch's results (its kernel's outputs through launch.results)
     bytes_read: dict[str, int]  # device-memory bytes read per input
+    simd_operations: list[list[int]]  # per threadgroup (dispatch order), per simdgroup: simd_sum calls
 
 
 def generated(launch: kernels.Launch) -> Generated:
@@ -145,6 +148,10 @@ int main(int argc, char** argv) {{
     out.write(files[i - 1].data(), files[i - 1].size());
   }}
   for (int i = 0; i < {len(inputs)}; ++i) printf("%llu\\n", emu::bytes_read()[i]);
+  for (const auto& simdgroups : emu::simd_operations()) {{
+    for (unsigned long long count : simdgroups) printf("%llu ", count);
+    printf("\\n");
+  }}
   return 0;
 }}
 """
@@ -216,7 +223,7 @@ def emulate(launch: kernels.Launch) -> Emulation:
             files[-1].write_bytes(_to_bytes(array))
         for j, (shape, dtype) in enumerate(launch.outputs.values()):
             files.append(Path(tmp) / f"out{j}")
-            files[-1].write_bytes(bytes(int(np.prod(shape)) * dtype.size))
+            files[-1].write_bytes(b"\xff" * (int(np.prod(shape)) * dtype.size))
         result = subprocess.run([str(binary), *map(str, files)], capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(f"emulated {launch.kernel} failed: {result.stderr.strip()}")
@@ -225,8 +232,10 @@ def emulate(launch: kernels.Launch) -> Emulation:
             raw = RAW_VIEW.get(dtype, dtype)
             data = np.frombuffer(path.read_bytes(), dtype=np.dtype(NUMPY[raw])).reshape(shape)
             outputs.append(mx.array(data).view(dtype) if raw != dtype else mx.array(data))
-    counts = [int(line) for line in result.stdout.split()]
-    return Emulation(outputs, dict(zip(launch.inputs, counts)))
+    lines = result.stdout.splitlines()
+    bytes_read = dict(zip(launch.inputs, map(int, lines[: len(inputs)])))
+    simd_operations = [[int(count) for count in line.split()] for line in lines[len(inputs) :]]
+    return Emulation(launch.results(outputs), bytes_read, simd_operations)
 
 
 def run_emulated(launch: kernels.Launch) -> list[mx.array]:

@@ -19,8 +19,8 @@ rest of the process.  The decisions are kept beside the cost curves, per chip,
 MLX version and kernel sources, so a later process skips the timing.
 DFLASH_MLX_KERNELS=mlx forces the twins, =metal the kernels (unchecked).  A
 kernel call is described by a ``Launch`` (source, inputs, template, grid,
-outputs), which is what both mx.fast.metal_kernel and the C++ emulation in
-tests/ execute.
+outputs, and any MLX ops that finish its results), which is what both
+mx.fast.metal_kernel and the C++ emulation in tests/ execute.
 """
 
 import hashlib
@@ -105,6 +105,12 @@ class Launch:
     template: list[tuple[str, Union[int, bool, mx.Dtype]]]
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
+    # MLX ops from the kernel's outputs to the call's results, in the same graph (block attention
+    # combines its per-split partials); None: the outputs are the results
+    finish: Optional[Callable[[list[mx.array]], list[mx.array]]] = None
+
+    def results(self, outputs: list[mx.array]) -> list[mx.array]:
+        return self.finish(outputs) if self.finish else outputs
 
 
 def source(kernel: str) -> str:
@@ -128,7 +134,7 @@ def _metal_kernel(kernel: str, input_names: tuple, output_names: tuple):
 
 def run_metal(launch: Launch) -> list[mx.array]:
     fn = _metal_kernel(launch.kernel, tuple(launch.inputs), tuple(launch.outputs))
-    return fn(
+    outputs = fn(
         inputs=list(launch.inputs.values()),
         template=launch.template,
         grid=launch.grid,
@@ -136,6 +142,7 @@ def run_metal(launch: Launch) -> list[mx.array]:
         output_shapes=[shape for shape, _ in launch.outputs.values()],
         output_dtypes=[dtype for _, dtype in launch.outputs.values()],
     )
+    return launch.results(outputs)
 
 
 # --------------------------------------------------------------- self-check

@@ -7,7 +7,9 @@
 //   barriers            threadgroup_barrier: every live thread of the group
 //                       must arrive; returning before one is reported
 //   simd reductions     simd_sum over the active lanes of a simdgroup; lanes
-//                       reaching different synchronisation points is reported
+//                       reaching different synchronisation points is reported;
+//                       each simdgroup's simd operations are counted per
+//                       threadgroup (where a kernel's work lands)
 //   storage types       half and bfloat16_t (round to nearest even), float math
 //   buffers             device and constant pointers become emu::Buffer views:
 //                       an out-of-bounds access stops the run naming the
@@ -21,6 +23,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -108,6 +111,7 @@ inline T max(T a, T b) { return a > b ? a : b; }
 template <typename T>
 inline T min(T a, T b) { return a < b ? a : b; }
 inline float exp(float x) { return std::exp(x); }
+inline float log(float x) { return std::log(x); }
 }  // namespace metal
 
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
@@ -117,6 +121,12 @@ namespace emu {
 // Bytes read from each device buffer during the run, by buffer index.
 inline std::vector<unsigned long long>& bytes_read() {
   static std::vector<unsigned long long> counts(64, 0);
+  return counts;
+}
+
+// Simd operations each simdgroup executed, per threadgroup in dispatch order.
+inline std::vector<std::vector<unsigned long long>>& simd_operations() {
+  static std::vector<std::vector<unsigned long long>> counts;
   return counts;
 }
 
@@ -211,6 +221,7 @@ inline bool resolve(Group& g) {
         g.threads[i].wait = Wait::running;
       }
     }
+    ++simd_operations().back()[first / 32];
     progressed = true;
   }
   if (progressed) return true;
@@ -246,6 +257,7 @@ inline void dispatch(uint3 grid, uint3 size, std::function<void(Thread&)> body) 
                             std::min(size.z, grid.z - gz * size.z)};
         uint count = local_size.x * local_size.y * local_size.z;
         g.threads.resize(count);  // fibers and their stacks are reused from group to group
+        simd_operations().emplace_back((count + 31) / 32, 0);
         for (uint i = 0; i < count; ++i) {
           Thread& t = g.threads[i];
           if (t.stack.empty()) t.stack.resize(1 << 16);
