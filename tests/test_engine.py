@@ -12,6 +12,7 @@ from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
 from tiny_models import (
+    VOCAB,
     Recording,
     oracle_draft,
     random_dflash2,
@@ -259,3 +260,12 @@ def test_decoding_wires_memory_and_runs_on_the_generation_stream(monkeypatch, ca
     decoder.close()
     decoder.close()  # twice is harmless
     assert limits == [1000, 7, 1000, 7]
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, VOCAB], [-1, 2]])
+def test_a_prompt_outside_the_vocabulary_is_refused(prompt):
+    """An embedding read past its table gives whatever memory lies there (an answer that
+    changes from run to run), so the decoder refuses such ids as the API does."""
+    target = tiny_target("qwen3")
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 97\)"):
+        next(decode(DFlashModel(target, None), mx.array(prompt), SamplingParams(), 4))

@@ -129,6 +129,10 @@ class Decoder:
 
     def add(self, request: Request) -> int:
         """Queue a request; its uid.  Its Steps come out of step()."""
+        vocab = self.model.target.vocab_size
+        if request.prompt and not (0 <= min(request.prompt) and max(request.prompt) < vocab):
+            # an embedding read past its table gives whatever memory lies there, not an error
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}), the target's vocabulary")
         request.uid, self._next_uid = self._next_uid, self._next_uid + 1
         request.begin(self.model)
         self.waiting.append(request)
