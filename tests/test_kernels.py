@@ -233,22 +233,92 @@ def test_small_inputs_are_constant_space_as_in_mlx(scratch_kernel):
     assert large.bytes_read["x"] == 32 * 4
 
 
-@pytest.mark.parametrize("L,G,window", [(16, 4, None), (7, 2, None), (16, 1, 24), (3, 8, None)])
-def test_block_attention_reads_each_kv_element_once(emulator, L, G, window):
-    """One threadgroup per (KV head, tile of query rows) streams K/V through threadgroup
-    memory: device reads of the context and block K/V are the live bytes, once per call
-    (the previous kernel read them once per query row and head: G * L times)."""
-    HKV, D, context = 2, 64, 150
+def layout_of(launch: kernels.Launch) -> tuple[int, int]:
+    """(splits, key slots) a block attention launch runs with, as its geometry tells the kernel."""
+    geometry = launch.inputs["geometry"].tolist()
+    return geometry[5], geometry[6]
+
+
+# L, G, window, context, and the layout expected: 14-24 rows per KV head leave a threadgroup's
+# 8 simdgroups (8 rows each) to share rows (key slots); a context past 2 x 256 keys is split
+@pytest.mark.parametrize(
+    "L,G,window,context,splits,key_slots",
+    [
+        (16, 4, None, 150, 1, 1),
+        (7, 2, None, 150, 1, 4),
+        (16, 1, 24, 150, 1, 4),
+        (3, 8, None, 150, 1, 2),
+        (4, 4, None, 1100, 4, 4),
+        (16, 2, 700, 1500, 2, 2),
+    ],
+)
+def test_block_attention_reads_each_kv_element_once(emulator, L, G, window, context, splits, key_slots):
+    """The splits of a tile stream disjoint ranges of its keys through threadgroup memory:
+    device reads of the context and block K/V are the live bytes, once per call (a kernel per
+    query row would read them G * L times).  Each split, and each simdgroup sharing a row, loads
+    that row's query into registers: the queries are read splits x key_slots times."""
+    HKV, D = 2, 64
     q, k, v, span = attention_inputs(1, G * HKV, HKV, L, D, context, mx.float32)
     launch = kernels.block_attention_launch(q, k, v, span, scale=0.125, window=window)
+    assert layout_of(launch) == (splits, key_slots)
     run = emulate(launch)
     want = kernels.block_attention_mlx(q, k, v, span, scale=0.125, window=window)
     assert relative_error(run.outputs[0], want) < TOLERANCE[mx.float32]
     visible_context = min(context, window - 1) if window else context  # block row 0 reaches furthest back
     assert run.bytes_read["ctx_keys"] == run.bytes_read["ctx_values"] == HKV * visible_context * D * 4
     assert run.bytes_read["keys"] == run.bytes_read["values"] == k.nbytes
-    assert run.bytes_read["queries"] == q.nbytes
-    assert launch.grid[1] == 1  # one tile covers every query row of a KV head at these sizes
+    assert run.bytes_read["queries"] == q.nbytes * splits * key_slots
+    assert launch.grid[1] == splits  # one tile covers every query row of a KV head at these sizes
+
+
+def test_long_context_is_spread_over_many_threadgroups(emulator):
+    """A 16-token block over a 4k context on 8 KV heads (the Qwen3 drafters' count; one query
+    head each keeps the emulation short): each head's keys are split across threadgroups, 64
+    busy ones in all (unsplit, 8: one per KV head), with equal shares, and the work in total is
+    one score per (query row, key it sees): splitting computes nothing twice."""
+    HQ = HKV = 8
+    L, D, context = 16, 64, 4096
+    q, k, v, span = attention_inputs(1, HQ, HKV, L, D, context, mx.float32)
+    run = emulate(kernels.block_attention_launch(q, k, v, span, scale=0.125))
+    assert relative_error(run.outputs[0], kernels.block_attention_mlx(q, k, v, span, scale=0.125)) < 1e-5
+    work = [sum(simdgroups) for simdgroups in run.simd_operations]
+    assert sum(count > 0 for count in work) >= 64
+    assert max(work) <= 1.05 * min(work)
+    assert sum(work) == HQ * L * (context + L)
+    for L in (4, 8, 16):  # the drafters' real heads, not emulated: the launch alone
+        drafter = attention_inputs(1, 32, 8, L, 128, context, mx.bfloat16)
+        launch = kernels.block_attention_launch(*drafter, scale=128**-0.5)
+        assert launch.grid[1] * launch.grid[2] >= 64, L
+
+
+@pytest.mark.parametrize("L", [1, 4, 8, 16])
+def test_every_simdgroup_has_work_at_narrow_widths(emulator, L):
+    """The drafters' heads (32 query, 8 KV, head_dim 128): a KV head's rows number 4 L, and a
+    threadgroup has 8 simdgroups of 8 rows; below width 16 simdgroups share rows, taking every
+    other (every 4th, 8th) key, so each scores keys, about equally many (rows alone shared out
+    would keep 2 of 8 simdgroups busy at width 4), and no score is computed twice."""
+    HQ, context = 32, 200
+    q, k, v, span = attention_inputs(1, HQ, 8, L, 128, context, mx.float32)
+    run = emulate(kernels.block_attention_launch(q, k, v, span, scale=128**-0.5))
+    assert relative_error(run.outputs[0], kernels.block_attention_mlx(q, k, v, span, scale=128**-0.5)) < 1e-5
+    assert len(run.simd_operations) == 8
+    for simdgroups in run.simd_operations:
+        assert len(simdgroups) == 8 and min(simdgroups) > 0.9 * max(simdgroups), simdgroups
+    assert sum(map(sum, run.simd_operations)) == HQ * L * (context + L)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 6), (True, 5)])
+def test_block_attention_at_any_split_count(emulator, monkeypatch, causal, window):
+    """Splits of one key each (a split per key the tile sees, or more): rows that see none of
+    a split's keys, and splits with no keys at all, weigh nothing in the combination, and every
+    partial is written (the emulator's outputs start as NaN)."""
+    monkeypatch.setattr(kernels, "SPLIT_KEYS", 1)
+    monkeypatch.setattr(kernels, "ATTENTION_THREADGROUPS", 10**4)
+    q, k, v, span = attention_inputs(1, 4, 2, 5, 64, 20, mx.float32)
+    launch = kernels.block_attention_launch(q, k, v, span, scale=0.125, causal=causal, window=window)
+    assert layout_of(launch)[0] == (min(20, window) if window else 20) + 5
+    want = kernels.block_attention_mlx(q, k, v, span, scale=0.125, causal=causal, window=window)
+    assert relative_error(run_emulated(launch)[0], want) < TOLERANCE[mx.float32]
 
 
 REAL_HEAD_DIMS = (64, 128, 256)
@@ -258,13 +328,15 @@ REAL_HEAD_DIMS = (64, 128, 256)
 @pytest.mark.parametrize("D", REAL_HEAD_DIMS)
 def test_one_compiled_attention_kernel_serves_every_width(monkeypatch, D, dtype):
     """The launch the drafter makes, recorded by mx.export_function (MLX builds the kernel source
-    without a Metal device): real head sizes and dtypes, widths 1-16, one Metal library for all
-    of them (the width is a run-time value), threadgroups within Metal's limits."""
+    without a Metal device): real head sizes and dtypes, widths 1-16 over a short and a 4k
+    context, one Metal library for all of them (the width, the splits and the key slots are
+    run-time values), threadgroups within Metal's limits."""
     monkeypatch.setattr(kernels, "use_metal", lambda: True)
     monkeypatch.setenv("DFLASH_MLX_KERNELS", "metal")  # unchecked: a self-check cannot run inside a recording
-    names = set()
+    names, layouts = set(), set()
     for L in range(1, 17):
-        q, k, v, span = attention_inputs(1, 16, 4, L, D, 40, dtype)
+        q, k, v, span = attention_inputs(1, 16, 4, L, D, 4096 if L % 4 == 0 else 40, dtype)
+        layouts.add(layout_of(kernels.block_attention_launch(q, k, v, span, scale=D**-0.5)))
         recorded = []
 
         def record(node):
@@ -277,8 +349,10 @@ def test_one_compiled_attention_kernel_serves_every_width(monkeypatch, D, dtype)
         names.add((name, source))
         assert dims[3] * dims[4] * dims[5] <= 1024
     rows, chunk = kernels.attention_tiling(D, dtype)
-    assert 2 * chunk * D * dtype.size <= kernels.THREADGROUP_MEMORY
-    assert len(names) == 2  # causal and bidirectional: nothing else varies with the width
+    # a chunk of keys and of values, and a float32 row (D accumulators, max, sum) per simdgroup
+    assert 2 * chunk * D * dtype.size + 8 * (D + 2) * 4 <= kernels.THREADGROUP_MEMORY
+    assert len({splits for splits, _ in layouts}) > 1 and len({slots for _, slots in layouts}) > 1
+    assert len(names) == 2  # causal and bidirectional: nothing else varies with the width or context
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -294,8 +368,8 @@ def test_one_compiled_tape_kernel_serves_every_width(DK, dtype):
 
 def test_head_dims_beyond_threadgroup_memory_use_the_twin(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "use_metal", lambda: True)
-    assert kernels.attention_tiling(1024, mx.float32) is None and kernels.attention_tiling(1024, mx.bfloat16)
-    q, k, v, span = attention_inputs(1, 2, 1, 2, 1024, 3, mx.float32)
+    assert kernels.attention_tiling(384, mx.float32) is None and kernels.attention_tiling(384, mx.bfloat16)
+    q, k, v, span = attention_inputs(1, 2, 1, 2, 384, 3, mx.float32)
     kernels._say_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="dflash_mlx.kernels"):
         out = kernels.block_attention(q, k, v, span, scale=0.05)
@@ -304,9 +378,12 @@ def test_head_dims_beyond_threadgroup_memory_use_the_twin(monkeypatch, caplog):
     assert relative_error(out, kernels.block_attention_mlx(q, k, v, span, scale=0.05)) == 0
 
 
-@pytest.mark.parametrize("D,dtype,L", [(256, mx.bfloat16, 16), (128, mx.float16, 1), (256, mx.float32, 5)])
-def test_emulated_block_attention_at_real_head_sizes(emulator, D, dtype, L):
-    q, k, v, span = attention_inputs(1, 8, 2, L, D, 61, dtype)
+@pytest.mark.parametrize(
+    "D,dtype,L,context",
+    [(256, mx.bfloat16, 16, 61), (128, mx.float16, 1, 61), (256, mx.float32, 5, 61), (64, mx.bfloat16, 4, 1100)],
+)
+def test_emulated_block_attention_at_real_head_sizes(emulator, D, dtype, L, context):
+    q, k, v, span = attention_inputs(1, 8, 2, L, D, context, dtype)
     want = kernels.block_attention_mlx(q, k, v, span, scale=D**-0.5, causal=True)
     got = run_emulated(kernels.block_attention_launch(q, k, v, span, scale=D**-0.5, causal=True))[0]
     assert relative_error(got, want) < TOLERANCE[dtype]

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -47,6 +47,10 @@ logger = logging.getLogger("dflash_mlx.kernels")
 
 BACKENDS = ("auto", "metal", "mlx")
 ATTENTION_SIMDGROUPS = 8
+# block attention splits a long context's keys across threadgroups until about this many are busy:
+# more than a Max chip has GPU cores (up to 40)
+ATTENTION_THREADGROUPS = 64
+SPLIT_KEYS = 256  # keys a split keeps at least: a short context stays one threadgroup per tile
 TAPE_SIMDGROUPS = 16  # a value head's rows over 512 threads (Qwen3.5 / Qwen3-Next: 128 rows, 8 each)
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 THREADGROUP_MEMORY = 32 * 1024  # bytes per threadgroup on Apple GPUs
@@ -450,16 +454,61 @@ def block_attention_mlx(queries, keys, values, context: Optional[ContextSpan], *
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
+def attention_threadgroup_bytes(chunk: int, head_dim: int, dtype: mx.Dtype) -> int:
+    """Threadgroup memory of the block attention kernel: a chunk of keys and of values, and the
+    float32 accumulator, max and sum of one row per simdgroup, where simdgroups sharing rows
+    combine them."""
+    return 2 * chunk * head_dim * dtype.size + ATTENTION_SIMDGROUPS * (head_dim + 2) * 4
+
+
 def attention_tiling(head_dim: int, dtype: mx.Dtype) -> Optional[tuple[int, int]]:
     """(query rows per simdgroup, keys per chunk) of the block attention kernel, or None when
-    even the smallest chunk of keys and values would overflow threadgroup memory.  The largest
-    chunk that leaves room for a second resident threadgroup is preferred."""
+    even the smallest chunk would overflow threadgroup memory.  The largest chunk that leaves
+    room for a second resident threadgroup is preferred."""
     rows = 8 if head_dim <= 128 else 4  # q and the accumulator stay in registers
-    fitting = [chunk for chunk in (32, 16, 8) if 2 * chunk * head_dim * dtype.size <= THREADGROUP_MEMORY]
-    roomy = [chunk for chunk in fitting if 2 * chunk * head_dim * dtype.size <= THREADGROUP_MEMORY // 2]
+    fitting = [
+        chunk for chunk in (32, 16, 8) if attention_threadgroup_bytes(chunk, head_dim, dtype) <= THREADGROUP_MEMORY
+    ]
+    roomy = [
+        chunk for chunk in fitting if attention_threadgroup_bytes(chunk, head_dim, dtype) <= THREADGROUP_MEMORY // 2
+    ]
     if not fitting:
         return None
     return rows, (roomy or fitting)[0]
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How one block attention call spreads over the GPU (see metal/block_attention.metal)."""
+
+    tiles: int  # threadgroups of query rows per KV head
+    splits: int  # threadgroups sharing a tile, each over its own contiguous part of the keys
+    key_slots: int  # simdgroups sharing a set of rows, each taking every key_slots-th key
+    slot_rows: int  # query rows in each set
+
+
+def attention_layout(rows: int, keys: int, kv_heads: int, simdgroup_rows: int) -> AttentionLayout:
+    """The layout for `rows` query rows per KV head (GQA group x block width) seeing up to `keys`
+    keys, on `kv_heads` (batch x KV heads).  Rows fill tiles of ATTENTION_SIMDGROUPS x
+    `simdgroup_rows`; a narrower block gives each set of rows to several simdgroups, so every
+    simdgroup has work; a longer context splits each tile's keys across threadgroups until about
+    ATTENTION_THREADGROUPS are busy, each split keeping at least SPLIT_KEYS keys."""
+    tiles = -(-rows // (ATTENTION_SIMDGROUPS * simdgroup_rows))
+    row_sets = min(ATTENTION_SIMDGROUPS, size_class(-(-rows // simdgroup_rows)))
+    slot_rows = -(-rows // (tiles * row_sets))
+    splits = max(1, min(-(-ATTENTION_THREADGROUPS // (tiles * kv_heads)), keys // SPLIT_KEYS))
+    return AttentionLayout(tiles, splits, ATTENTION_SIMDGROUPS // row_sets, slot_rows)
+
+
+def attention_results(outputs: list[mx.array], splits: int, dtype: mx.Dtype) -> list[mx.array]:
+    """The block attention kernel's result: its `out` when the keys were not split, else the
+    splits' normalised outputs (B, HQ, L, splits, D) and log-sum-exps (B, HQ, L, splits), both
+    float32, combined: every split weighted by its share of the row's softmax mass."""
+    out, split_out, split_logsumexp = outputs
+    if splits == 1:
+        return [out]
+    weights = mx.softmax(split_logsumexp, axis=-1)
+    return [(weights[..., None] * split_out).sum(axis=-2).astype(dtype)]
 
 
 def block_attention_launch(
@@ -471,10 +520,24 @@ def block_attention_launch(
     if tiling is None:
         raise ValueError(f"block_attention: head_dim {D} in {queries.dtype} does not fit in threadgroup memory")
     rows, chunk = tiling
-    tiles = -(-(HQ // HKV) * L // (ATTENTION_SIMDGROUPS * rows))
     if context is None:  # nothing to read: any buffer of the right layout will do
         context = ContextSpan(keys, values, 0, 0)
-    geometry = mx.array([context.keys.shape[2], context.start, context.length, window or 0, L], dtype=mx.int32)
+    seen = min(context.length, window) if window else context.length
+    layout = attention_layout(HQ // HKV * L, seen + L, B * HKV, rows)
+    split_rows = (B, HQ, L, layout.splits)
+    geometry = mx.array(
+        [
+            context.keys.shape[2],
+            context.start,
+            context.length,
+            window or 0,
+            L,
+            layout.splits,
+            layout.key_slots,
+            layout.slot_rows,
+        ],
+        dtype=mx.int32,
+    )
     return Launch(
         kernel="block_attention",
         inputs=dict(
@@ -486,7 +549,11 @@ def block_attention_launch(
             geometry=geometry,
             scale=float(scale),
         ),
-        outputs=dict(out=(queries.shape, queries.dtype)),
+        outputs=dict(
+            out=(queries.shape, queries.dtype),  # written when the keys are not split
+            split_out=(split_rows + (D,) if layout.splits > 1 else (1,), mx.float32),  # (1,): unused
+            split_logsumexp=(split_rows if layout.splits > 1 else (1,), mx.float32),
+        ),
         template=[
             ("T", queries.dtype),
             ("D", D),
@@ -497,8 +564,9 @@ def block_attention_launch(
             ("CHUNK", chunk),
             ("CAUSAL", bool(causal)),
         ],
-        grid=(32 * ATTENTION_SIMDGROUPS, tiles, B * HKV),
+        grid=(32 * ATTENTION_SIMDGROUPS, layout.tiles * layout.splits, B * HKV),
         threadgroup=(32 * ATTENTION_SIMDGROUPS, 1, 1),
+        finish=partial(attention_results, splits=layout.splits, dtype=queries.dtype),
     )
 
 
