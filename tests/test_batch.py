@@ -11,6 +11,7 @@ from dflash_mlx.decode import decoder as engine, verify
 from dflash_mlx.decode.costs import CostModel, StepTimes, context_class
 from dflash_mlx.api import BatchGenerator, batch_generate, generate, load, stream_generate
 from dflash_mlx.decode.decoder import Decoder
+from dflash_mlx.decode.rows import run_ahead
 from dflash_mlx.kernels.fused_ops import fusing
 from dflash_mlx.decode.plan import PLAIN, Plan, Planner, fixed_plan
 from dflash_mlx.decode.request import Context, Request
@@ -118,6 +119,32 @@ def test_batched_greedy_is_lossless(model_type):
         out = run(decoder)
         for uid, prompt, reference in zip(uids, PROMPTS, references):
             assert out[uid] == reference[len(prompt) : len(prompt) + 40], (model_type, type(draft).__name__)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5", "gpt_oss"])
+def test_computing_ahead_after_drafting_steps_is_lossless(model_type, monkeypatch):
+    """On a GPU, after a drafting step the rolled-back caches and the drafting rows' new context
+    are computed while the next step's graph is built (run_ahead): here on the CPU, the answers
+    are still the plain ones, alone and batched, and it ran after every drafting step."""
+    ran = []
+    monkeypatch.setattr(engine, "fusing", lambda: False)
+    monkeypatch.setattr(engine, "run_ahead", lambda rows, cache: ran.append(len(rows)) or run_ahead(rows, cache))
+    target = tiny_target(model_type, seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 24)
+    for max_batch in (1, 8):
+        ran.clear()
+        decoder = Decoder(DFlashModel(target, oracle), max_batch=max_batch)
+        uids = [decoder.add(Request(list(p), 24, SamplingParams())) for p in PROMPTS]
+        drafting = 0
+        out = {}
+        while decoder.busy:
+            step = decoder.step()
+            drafting += step.width > 1
+            for uid, s in step.steps.items():
+                out.setdefault(uid, []).extend(s.tokens)
+        assert drafting > 0 and len(ran) == drafting
+        for uid, prompt, reference in zip(uids, PROMPTS, references):
+            assert out[uid] == reference[len(prompt) : len(prompt) + 24], (model_type, max_batch)
 
 
 def test_rows_keep_different_lengths_in_one_step():

@@ -39,7 +39,7 @@ from .plan import PLAIN, Plan, fixed_plan, step_passes
 from ..cache.prompt_cache import PromptCache
 from .prefill import fill_chunk
 from .prefix import PrefixPolicy
-from .rows import joined, settled, without
+from .rows import joined, run_ahead, settled, without
 from .verify import Pass, verify_pass, verify_passes
 from .request import Request
 from ..sampling import SamplingParams
@@ -129,10 +129,6 @@ class Decoder:
 
     def add(self, request: Request) -> int:
         """Queue a request; its uid.  Its Steps come out of step()."""
-        vocab = self.model.target.vocab_size
-        if request.prompt and not (0 <= min(request.prompt) and max(request.prompt) < vocab):
-            # an embedding read past its table gives whatever memory lies there, not an error
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}), the target's vocabulary")
         request.uid, self._next_uid = self._next_uid, self._next_uid + 1
         request.begin(self.model)
         self.waiting.append(request)
@@ -342,6 +338,8 @@ class Decoder:
                     failed[row.uid] = error
         if width > 1:
             self.cache.rollback_rows(keeps)
+            if not fusing():  # on a CPU the cores that would compute ahead are the ones building the graph
+                run_ahead(self.rows, self.cache)
         seconds = self.clock() - started
         for start, current in done:
             rows = self.rows[start : start + len(current.plans)]

@@ -74,6 +74,10 @@ class Request:
 
     def begin(self, model: DFlashModel) -> None:
         """Ready to decode with `model`: its drafter context, noise, lookup and grammar state."""
+        vocab = model.target.vocab_size
+        if self.prompt and not (0 <= min(self.prompt) and max(self.prompt) < vocab):
+            # an embedding read past its table gives whatever memory lies there, not an error
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}), the target's vocabulary")
         self.adaptive = model.draft is not None and self.block_size is None and model.planner is not None
         self.block = 1 if model.draft is None else (self.block_size or model.draft.block_size)
         self.stats.block_size = self.block

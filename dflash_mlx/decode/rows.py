@@ -54,3 +54,14 @@ def settled(batch):
     join timed at 8x the curve, and its shape then judged too dear to run again)."""
     mx.eval(tree_arrays([c.state for c in batch.layers]))
     return batch
+
+
+def run_ahead(rows: list, cache) -> None:
+    """After a drafting step: the rolled-back caches, and the new features in the drafter
+    contexts of the rows that drafted (they likely draft next), computed while the next step's
+    graph is built, which needs them (a GPU computes as the CPU builds)."""
+    drafted = [row for row in rows if row.stats.sources and row.stats.sources[-1] == "dflash"]
+    mx.async_eval(
+        tree_arrays([c.state for c in cache.layers]),
+        tree_arrays([c.state for row in drafted for c in row.context.flush() or []]),
+    )
