@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import sampling
-from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.decoder import Decoder, decode
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.request import Request
 from dflash_mlx.sampling import SamplingParams, probabilities
 from tiny_models import random_dflash2, random_draft, tiny_target
 
@@ -40,16 +41,33 @@ def exact_joint(target, params):
     return joint
 
 
-def sample_joint(model, params, n, seed, stats=None):
+def sample_joint(model, params, n, seed, stats=None, rows=1):
+    """Counts of n samples of t0..t3, each decoded alone (rows 1) or in batches of `rows`
+    (each row draws its own noise: its distribution is what it has alone)."""
     mx.random.seed(seed)
     counts = np.zeros((VOCAB,) * LENGTH)
-    for _ in range(n):
-        tokens = [
-            t
-            for step in decode(model, mx.array(PROMPT), params, LENGTH, block_size=3, stats=stats)
-            for t in step.tokens
+    if rows == 1:
+        for _ in range(n):
+            tokens = [
+                t
+                for step in decode(model, mx.array(PROMPT), params, LENGTH, block_size=3, stats=stats)
+                for t in step.tokens
+            ]
+            counts[tuple(tokens)] += 1
+        return counts
+    for start in range(0, n, rows):
+        decoder = Decoder(model, max_batch=rows)
+        requests = [
+            Request(list(PROMPT), LENGTH, params, block_size=3, stats=stats if stats is not None else DecodeStats())
+            for _ in range(min(rows, n - start))
         ]
-        counts[tuple(tokens)] += 1
+        for request in requests:
+            decoder.add(request)
+        while decoder.busy:
+            decoder.step()
+        decoder.close()
+        for request in requests:
+            counts[tuple(request.output)] += 1
     return counts
 
 
@@ -74,14 +92,14 @@ def chi_square_p_value(counts, expected_probs, min_expected=5.0):
 
 
 @pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9, top_k=4)],
-    ids=["temp1", "temp0.7-topp-topk"],
+    "params, rows",
+    [(SamplingParams(temp=1.0), 1), (SamplingParams(temp=0.7, top_p=0.9, top_k=4), 50)],
+    ids=["temp1-alone", "temp0.7-topp-topk-batched"],
 )
-def test_dflash_samples_follow_the_target_distribution(pair, params):
+def test_dflash_samples_follow_the_target_distribution(pair, params, rows):
     target, draft = pair
     joint = exact_joint(target, params)
-    counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0)
+    counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0, rows=rows)
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
@@ -92,7 +110,7 @@ def test_dflash2_samples_follow_the_target_distribution(pair):
     params = SamplingParams(temp=1.0)
     stats = DecodeStats()
     model = DFlashModel(target, random_dflash2(target, seed=9, block_size=3))
-    counts = sample_joint(model, params, n=2500, seed=2, stats=stats)
+    counts = sample_joint(model, params, n=2500, seed=2, stats=stats, rows=50)
     assert chi_square_p_value(counts, exact_joint(target, params)) > 1e-3
     assert stats.histogram[1] > 0  # some selector proposals were accepted
 
@@ -102,7 +120,7 @@ def test_plain_decoding_samples_follow_the_target_distribution(pair):
     target, _ = pair
     params = SamplingParams(temp=0.7, top_p=0.9, top_k=4)
     joint = exact_joint(target, params)
-    counts = sample_joint(DFlashModel(target), params, n=2500, seed=1)
+    counts = sample_joint(DFlashModel(target), params, n=2500, seed=1, rows=50)
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
@@ -118,7 +136,7 @@ def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
     import dflash_mlx.decode.verify as verify
 
     monkeypatch.setattr(verify, "accept", accept_everything)
-    counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0)
+    counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0, rows=50)
     assert chi_square_p_value(counts, joint) < 1e-6
 
 
@@ -221,7 +239,7 @@ def test_samples_follow_the_target_distribution_on_every_new_family(model_type):
     params = SamplingParams(temp=1.0)
     stats = DecodeStats()
     counts = sample_joint(
-        DFlashModel(target, random_draft(target, seed=9, block_size=3)), params, n=1500, seed=3, stats=stats
+        DFlashModel(target, random_draft(target, seed=9, block_size=3)), params, n=1500, seed=3, stats=stats, rows=50
     )
     assert chi_square_p_value(counts, exact_joint(target, params)) > 1e-3
     assert stats.histogram[1] > 0  # drafts were accepted, so the drafted path was tested too
