@@ -96,10 +96,10 @@ def test_the_target_writes_prompts_itself(smollm2, tmp_path):
         "What is the capital of France?", {"what is the capital of france?"}, set()
     )
     out = tmp_path / "prompts.jsonl"
-    make_prompts(model, tokenizer, out, 3, banned, batch_size=8, max_tokens=48, show_progress=False)
-    make_prompts(model, tokenizer, out, 5, banned, batch_size=8, max_tokens=48, show_progress=False)  # resumes
+    make_prompts(model, tokenizer, out, 2, banned, batch_size=4, max_tokens=48, show_progress=False)
+    make_prompts(model, tokenizer, out, 3, banned, batch_size=4, max_tokens=48, show_progress=False)  # resumes
     prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
-    assert len(prompts) == 5 and len(set(prompts)) == 5
+    assert len(prompts) == 3 and len(set(prompts)) == 3
     assert all(keep(p, set(), banned) for p in prompts)
     assert read_prompts(str(out)) == prompts  # what make-data --prompts reads
 
