@@ -170,10 +170,10 @@ def test_the_default_pair_equals_plain_mlx_lm_up_to_near_ties(lossless_real, var
     lossless means")."""
     pair, tokenizer = lossless_real.load_variant(None, None, variant)
     taus = []
-    for i, question in enumerate(QUESTIONS):
+    # bf16 runs on MLX's CPU matmuls without BLAS (several times slower): two questions
+    for i, question in enumerate(QUESTIONS if variant == "fp32" else QUESTIONS[1:]):
         row = lossless_real.compare(pair, variant, i, format_prompt(tokenizer, question), 48, block_size=4)
         assert row.tokens == 48
         assert row.first_difference is None or row.gap < NEAR_TIE[variant], row
         taus.append(row.tau)
-    # drafts were accepted (bf16's answer to the first question is a repetition no draft guesses)
-    assert max(taus) > 1.5, taus
+    assert max(taus) > 1.5, taus  # drafts were accepted
