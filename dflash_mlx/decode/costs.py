@@ -30,6 +30,7 @@ from ..sampling import Noise, SamplingParams, choose
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PROBE_CONTEXT = 128  # the context the curve is timed at
+PREFILL_CHUNK = 512  # tokens per pass while the timed caches are filled
 LONG_CONTEXT = 2048  # and the second one (its power-of-two widths only): the longer context classes' anchor
 SHORTEST_SPAN = 512
 SAMPLE_ROWS = 8
@@ -338,7 +339,10 @@ def measure_costs(
     Every probe is timed round-robin, so a burst of other load hits them all alike,
     and the medians are fitted to a non-decreasing curve (a wider pass is never cheaper)."""
     widths = [w for w in widths if w <= max(draft.block_size, 2)] if draft is not None else [1]
-    long_widths = [w for w in widths if w & (w - 1) == 0] if long_context and long_context > context else []
+    # powers of four and the widest: the long curve is interpolated between them, and each of
+    # its passes reads the whole long cache (the first load times them all)
+    long_widths = sorted({w for w in widths if w & (w - 1) == 0 and w.bit_length() % 2 == 1} | {widths[-1]})
+    long_widths = long_widths if long_context and long_context > context else []
     layers = draft.target_layer_ids if draft is not None else []
     features, verify_seconds = _verify_timer(target, layers, context)
     long_verify_seconds = _verify_timer(target, layers, long_context)[1] if long_widths else None
@@ -399,8 +403,13 @@ def _verify_timer(target, layers: list[int], context: int) -> tuple[mx.array, Ca
     target pass of width w on top of it (rolled back after, so every pass sees `context` tokens)."""
     tokens = mx.arange(context, dtype=mx.int32)[None] % target.vocab_size
     cache = target.make_cache()
-    _, features = target(tokens, cache, layers, logits_at=[context - 1])
-    mx.eval(features)
+    parts = []
+    for start in range(0, context, PREFILL_CHUNK):  # a long context's scores in chunks, as a prefill's
+        end = min(start + PREFILL_CHUNK, context)
+        _, part = target(tokens[:, start:end], cache, layers, logits_at=[end - start - 1])
+        mx.eval(part, [c.state for c in cache.layers])
+        parts.append(part)
+    features = None if parts[0] is None else mx.concatenate(parts, axis=1)
 
     def seconds(w: int) -> float:
         cache.checkpoint()
