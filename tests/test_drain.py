@@ -124,3 +124,25 @@ def test_sigterm_drains_and_exits_cleanly(tiny_dirs, tmp_path, drain):
         assert text[: len(whole)] == whole[: len(text)]
     names = sorted(p.name for p in folder.iterdir())
     assert names and all(not n.startswith(".") and n.endswith(".safetensors") for n in names)
+
+
+def test_max_queue_bounds_the_jobs_not_yet_started_and_offers_do_not_count(monkeypatch):
+    """Jobs past `max_queue` waiting (beyond the ones decoding) are refused; offers of idle
+    prefills and their wake-ups are not jobs, and a job that starts frees its place."""
+    monkeypatch.setattr(worker, "BatchGenerator", slow_batch(pieces=40, seconds_per_step=0.01))
+    engine = Worker(None, None, max_queue=2, max_batch=1)
+    try:
+        running = engine.submit(Job([1], 40, {}))
+        running.events.get(timeout=10)  # decoding: no longer waiting
+        for _ in range(50):
+            engine.prefill_when_idle([7, 7, 7])
+        waiting = [engine.submit(Job([2 + k], 40, {})) for k in range(2)]
+        with pytest.raises(worker.QueueFull):
+            engine.submit(Job([9], 40, {}))
+        assert engine.depth == 3
+        assert len(events_of(running)) == 39
+        for job in waiting:
+            assert events_of(job)[-1].finish_reason == "stop"
+        assert engine.batch.offered == [[7, 7, 7]] * 50  # handed over, the decoder's to judge
+    finally:
+        engine.stop()

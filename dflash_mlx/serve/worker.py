@@ -95,7 +95,12 @@ class Worker:
     @property
     def depth(self) -> int:
         """Jobs waiting or running."""
-        return self.jobs.qsize() + len(self.active)
+        return self._queued_jobs() + len(self.active)
+
+    def _queued_jobs(self) -> int:
+        """Jobs submitted and not yet handed to the decoder (wake-ups aside)."""
+        with self.jobs.mutex:
+            return sum(job is not None for job in self.jobs.queue)
 
     @property
     def alive(self) -> bool:
@@ -110,7 +115,7 @@ class Worker:
         """Whether nothing is left to do: no job, no idle prefill running or offered."""
         with self._closing:
             offered = bool(self._offers)
-        return not (offered or self.jobs.qsize() or self.active or self.batch.busy)
+        return not (offered or self._queued_jobs() or self.active or self.batch.busy)
 
     def submit(self, job: Job) -> Job:
         with self._closing:
@@ -243,7 +248,7 @@ class Worker:
         """Jobs the decoder has started prefilling no longer count against max_queue."""
         still = len(self.batch.waiting)
         with self._closing:
-            self._waiting = still + self.jobs.qsize()
+            self._waiting = still + self._queued_jobs()
 
     def _drained(self) -> bool:
         """Draining: waiting jobs refused, running ones cut once the deadline is past; True when
