@@ -118,15 +118,8 @@ def recorded(env) -> dict:
         return json.load(f)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
-def test_a_started_server_serves_the_agent_and_is_gone_after_it(agent, agents_on_path, tiny_dirs):
-    port = free_port()
-    env = {**agents_on_path, "STANDIN_EXIT": "3"}
-    done = launch(env, agent, *tiny_model_options(tiny_dirs), "--port", str(port), "--", "--extra", "arg")
-    assert done.returncode == 3, done.stderr[-2000:]  # the agent's own exit status
-    record = recorded(env)
-    model_id = str(tiny_dirs[0])
+def assert_configured(agent: str, record: dict, model_id: str, port: int) -> None:
+    """The agent was pointed at the server, its model and window, and it was answered."""
     assert record["listed"][0] == 200 and record["listed"][1]["data"][0]["id"] == model_id
     assert record["answered"][0] == 200
     assert record["argv"][-2:] == ["--extra", "arg"]  # after the launcher's own
@@ -151,6 +144,15 @@ def test_a_started_server_serves_the_agent_and_is_gone_after_it(agent, agents_on
         assert record["config"]["share"] == "disabled"
         assert record["config"]["provider"]["dflash-mlx"]["options"]["timeout"] is False
         assert record["answered"][1]["object"] == "chat.completion"
+
+
+@pytest.mark.slow
+def test_a_started_server_serves_the_agent_and_is_gone_after_it(agents_on_path, tiny_dirs):
+    port = free_port()
+    env = {**agents_on_path, "STANDIN_EXIT": "3"}
+    done = launch(env, "claude", *tiny_model_options(tiny_dirs), "--port", str(port), "--", "--extra", "arg")
+    assert done.returncode == 3, done.stderr[-2000:]  # the agent's own exit status
+    assert_configured("claude", recorded(env), str(tiny_dirs[0]), port)
     assert not answers(port)  # stopped when the agent exited
 
 
@@ -164,11 +166,12 @@ def test_a_running_server_is_reused_and_left_running(agents_on_path, tiny_dirs):
             if answers(port) or server.poll() is not None:
                 break
             threading.Event().wait(0.1)
-        done = launch(agents_on_path, "claude", "--port", str(port))
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert "reusing the dflash-mlx server" in done.stderr
-        assert recorded(agents_on_path)["answered"][0] == 200
-        assert answers(port)  # not the launcher's to stop
+        for agent in ("claude", "codex", "opencode"):  # one server for the three agents' settings
+            done = launch(agents_on_path, agent, "--port", str(port), "--", "--extra", "arg")
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert "reusing the dflash-mlx server" in done.stderr
+            assert_configured(agent, recorded(agents_on_path), str(tiny_dirs[0]), port)
+            assert answers(port)  # not the launcher's to stop
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
