@@ -11,6 +11,7 @@ import typer
 from .io import blas
 from .distributed import DistributedError
 from .drafters import DraftLoadError
+from .drafters.precision import AUTO_DRAFT_BITS, DRAFT_QUANTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 train_app = typer.Typer(no_args_is_help=True, help="Train DFlash drafters: make-data, then fit.")
@@ -60,6 +61,19 @@ SPLIT = typer.Option(
 TIMEOUT = typer.Option(
     60.0, "--timeout", help="With --distributed: seconds a rank waits for the others before giving up."
 )
+DRAFT_QUANT = typer.Option(
+    None,
+    "--draft-quant",
+    help="Drafter precision: 8 or 4 quantizes it on loading (group 64), 16 keeps float weights. "
+    f"Default: on a GPU a float drafter is quantized to {AUTO_DRAFT_BITS} bits, a quantized one kept; on a CPU quantized "
+    "matmuls are slower, so quantized weights are expanded to float (8 or 4 there gives their drafts "
+    "at float's speed). The output is the same either way.",
+)
+
+
+def check_draft_quant(draft_quant: Optional[int]) -> None:
+    if draft_quant not in (None, *DRAFT_QUANTS):
+        fail(f"--draft-quant must be 16 (float), 8 or 4, got {draft_quant}")
 
 
 def pipeline_options(distributed: Optional[str], split: Optional[str], timeout: float) -> dict:
@@ -103,6 +117,7 @@ def generate(
     quant: Optional[int] = typer.Option(
         None, "--quant", help="Use the mlx-community 4- or 8-bit target of a short name."
     ),
+    draft_quant: Optional[int] = DRAFT_QUANT,
     max_tokens: int = typer.Option(256, "--max-tokens", help="Maximum tokens to generate."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -132,13 +147,20 @@ def generate(
         fail(f"--max-tokens must be > 0, got {max_tokens}")
     if quant not in (None, 4, 8):
         fail(f"--quant must be 4 or 8, got {quant}")
+    check_draft_quant(draft_quant)
     if block_size is not None and block_size < 1:
         fail(f"--block-size must be >= 1, got {block_size}")
     pipeline = pipeline_options(distributed, split, timeout)
     SamplingParams(temp, top_p, top_k)  # checked before the model loads
     # a fixed width needs no cost curve
     pair, tokenizer = load(
-        model, draft, quant=quant, use_draft=not no_draft, adaptive=not no_adaptive and block_size is None, **pipeline
+        model,
+        draft,
+        quant=quant,
+        draft_quant=draft_quant,
+        use_draft=not no_draft,
+        adaptive=not no_adaptive and block_size is None,
+        **pipeline,
     )
     if distributed is not None and not pair.target.is_driver:
         pair.target.follow()  # rank 0 prints
@@ -198,6 +220,7 @@ def serve(
     ),
     draft: Optional[str] = typer.Option(None, "--draft", help="Drafter HF repo or local dir."),
     quant: Optional[int] = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name."),
+    draft_quant: Optional[int] = DRAFT_QUANT,
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve plain target decoding."),
     no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks."),
     host: str = typer.Option("127.0.0.1", "--host"),
@@ -275,6 +298,7 @@ def serve(
         warm_up=distributed is None,  # not tried across pipeline ranks
     )
     _check_serve_flags(options, quant, port, drain_seconds)
+    check_draft_quant(draft_quant)
     from .api import load
 
     pipeline = pipeline_options(distributed, split, timeout)
@@ -282,6 +306,7 @@ def serve(
         model,
         draft,
         quant=quant,
+        draft_quant=draft_quant,
         use_draft=not no_draft,
         adaptive=not no_adaptive,
         batch_tokens=options.max_batch_tokens,  # the caches the variant chosen must leave room for
@@ -408,6 +433,7 @@ def launch(
     ),
     draft: Optional[str] = typer.Option(None, "--draft", help="Drafter HF repo or local dir."),
     quant: Optional[int] = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name."),
+    draft_quant: Optional[int] = DRAFT_QUANT,
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve plain target decoding."),
     no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks."),
     port: Optional[int] = typer.Option(
@@ -420,7 +446,8 @@ def launch(
     """Run a coding agent on a local server: started for it and stopped after it, or reused if one is running."""
     from .serve import launch as launcher
 
-    options = launcher.ModelOptions(model, draft, quant, no_draft, no_adaptive)
+    check_draft_quant(draft_quant)
+    options = launcher.ModelOptions(model, draft, quant, draft_quant, no_draft, no_adaptive)
     try:
         status = launcher.launch(agent, options, port, wait, agent_args or [])
     except launcher.LaunchError as e:
@@ -771,6 +798,7 @@ def doctor(
     quant: Optional[int] = typer.Option(
         None, "--quant", help="With a short name: its mlx-community 4- or 8-bit target."
     ),
+    draft_quant: Optional[int] = DRAFT_QUANT,
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ):
     """What dflash-mlx would run on this machine and why: platform, memory, versions, kernels, BLAS, caches."""
@@ -778,7 +806,8 @@ def doctor(
 
     from .api.doctor import describe, report
 
-    facts = report(model, quant)
+    check_draft_quant(draft_quant)
+    facts = report(model, quant, draft_quant)
     typer.echo(json.dumps(facts, indent=1) if as_json else describe(facts))
 
 

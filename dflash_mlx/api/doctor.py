@@ -1,14 +1,15 @@
 """`dflash-mlx doctor`: what dflash-mlx would run on this machine and why, without loading a
 model or touching the network.
 
-    report(model, quant)  the facts, as a dict (what `--json` prints)
-    describe(report)      the same as lines to read
+    report(model, quant, draft_quant)  the facts, as a dict (what `--json` prints)
+    describe(report)                   the same as lines to read
 
 With a model name it also says what loading it would take: the target and drafter it resolves
-to, their quantization, their size and whether that fits in memory.  A published pair is judged
-as `load` judges it (registry.py: the variant that fits, its weights, drafter, KV caches and
-working memory against this machine's budget); any other model by its weights, from files
-already on this machine, else from the parameter count in its name, else unknown.
+to, their quantization (the drafter's as `--draft-quant` would load it), their size and whether
+that fits in memory.  A published pair is judged as `load` judges it (registry.py: the variant
+that fits, its weights, drafter, KV caches and working memory against this machine's budget); any
+other model by its weights, from files already on this machine, else from the parameter count in
+its name, else unknown.
 """
 
 import importlib.metadata
@@ -29,7 +30,7 @@ from . import registry
 from .registry import DEFAULT_DRAFT, PUBLISHED, QUANT_BITS, resolve
 
 
-def report(model: Optional[str] = None, quant: Optional[int] = None) -> dict:
+def report(model: Optional[str] = None, quant: Optional[int] = None, draft_quant: Optional[int] = None) -> dict:
     facts = {
         "platform": f"{platform.system()} {platform.release()} ({platform.machine()})",
         "chip": metal.chip_name(),
@@ -45,7 +46,7 @@ def report(model: Optional[str] = None, quant: Optional[int] = None) -> dict:
         "cache_dir": str(cache_dir()),
     }
     if model is not None:
-        facts["model"] = model_plan(model, quant)
+        facts["model"] = model_plan(model, quant, draft_quant)
     return facts
 
 
@@ -111,11 +112,11 @@ def cost_curves(draft_name: str = "") -> dict:
 # ------------------------------------------------------------------- a model
 
 
-def model_plan(model: str, quant: Optional[int]) -> dict:
+def model_plan(model: str, quant: Optional[int], draft_quant: Optional[int] = None) -> dict:
     """What loading `model` would take: resolved offline (short names, repos and dirs are only
     named here: nothing is downloaded or converted)."""
     if model in PUBLISHED:
-        return _published_plan(model, quant)
+        return _published_plan(model, quant, draft_quant)
     if model == DEFAULT_MODEL:
         target, target_bytes, draft, quantized = _default_target(quant)
     else:
@@ -129,6 +130,7 @@ def model_plan(model: str, quant: Optional[int]) -> dict:
         "target": target,
         "draft": draft or "none",
         "quant": quantized,
+        "draft_quant": registry.planned_draft_precision(draft, draft_quant).describe() if draft else "no drafter",
         "target_gib": _gib(target_bytes),
         "draft_gib": _gib(draft_bytes),
         "footprint_gib": _gib(total),
@@ -139,23 +141,26 @@ def model_plan(model: str, quant: Optional[int]) -> dict:
     }
 
 
-def _published_plan(name: str, quant: Optional[int]) -> dict:
+def _published_plan(name: str, quant: Optional[int], draft_quant: Optional[int]) -> dict:
     """A published pair, as `load` judges it: without `quant`, the most precise variant that fits
-    (registry.fitting_variant); with one, that variant whatever it needs."""
+    (registry.fitting_variant); with one, that variant whatever it needs; the drafter at the
+    precision `draft_quant` would load it at."""
     pair = PUBLISHED[name]
     budget = registry.memory_budget()
+    precision = registry.planned_draft_precision(pair.draft, draft_quant)
     why = None
     if quant is None:
         try:
-            choice = registry.fitting_variant(name, pair.draft)
+            choice = registry.fitting_variant(name, pair.draft, draft_held=precision.held)
             quant, why = choice.quant, choice.reason
         except ValueError as refused:  # load refuses it: say so, sized at its smallest variant
             quant, why = min(QUANT_BITS), str(refused)
-    need = registry.footprint(name, quant, pair.draft, registry.BATCH_CAP_TOKENS)
+    need = registry.footprint(name, quant, pair.draft, registry.BATCH_CAP_TOKENS, precision.held)
     return {
         "target": registry.variant_repo(pair, quant),
         "draft": pair.draft,
         "quant": registry.label(name, quant),
+        "draft_quant": precision.describe(),
         "target_gib": _gib(need.weights),
         "draft_gib": _gib(need.draft),
         "kv_cache_gib": _gib(need.kv),
@@ -245,6 +250,7 @@ def _model_lines(plan: dict) -> list[str]:
         f"  target: {plan['target']} ({size(plan['target_gib'])})",
         f"  draft: {plan['draft']} ({size(plan['draft_gib'])})",
         f"  quant: {plan['quant']}",
+        f"  draft quant: {plan['draft_quant']}",
         f"  footprint: {size(plan['footprint_gib'])} of {size(plan['usable_gib'])} usable; fits: {plan['fits']}",
         f"  why: {plan['why']}",
         "  " + _curves_line("cost curve", plan["cost_curve"]),

@@ -19,7 +19,8 @@ from ..decode.costs import (
     measure_costs,
     step_times_path,
 )
-from ..drafters import load_draft
+from ..drafters import DFlashDraftModel, load_draft
+from ..drafters.precision import DraftPrecision, apply_precision, check_draft_quant, draft_precision, runs_packed
 from ..kernels.fused_ops import fuse
 from ..io import blas
 from ..io.progress import console
@@ -35,6 +36,7 @@ def load(
     draft: Optional[str] = None,
     *,
     quant: Optional[int] = None,
+    draft_quant: Optional[int] = None,
     use_draft: bool = True,
     adaptive: bool = True,
     distributed: Optional[str] = None,
@@ -54,6 +56,13 @@ def load(
     by `timeout` seconds): rank 0 gets the drafter and drives, the other ranks
     get a target whose `follow()` serves rank 0 until it calls `finish()`.
 
+    `draft_quant` quantizes the drafter on loading: 8 or 4 bits (group 64), or 16 for float
+    weights (a quantized checkpoint expanded).  None: on a GPU a float drafter is quantized to
+    AUTO_DRAFT_BITS (drafters/precision.py: the acceptance measured there) and a quantized one
+    kept as stored; on a CPU, where quantized matmuls are the slower ones, quantized weights are
+    expanded to float, as they are for an asked 8 or 4 after quantizing (its drafts, float's
+    speed).  The output never depends on it: the target verifies every draft.
+
     A short name without `quant` loads the most precise variant (bf16, 8-bit, 4-bit) whose
     weights, drafter and KV caches of `batch_tokens` context tokens (default: the server's batch
     cap) fit this machine, and says which and why; when none fits, a ValueError says what each
@@ -61,7 +70,8 @@ def load(
     """
     from .registry import resolve  # pulls in the GGUF converter; not needed to decode
 
-    quant = _fitting_quant(model, draft, quant, use_draft, distributed, batch_tokens)
+    check_draft_quant(draft_quant)
+    quant = _fitting_quant(model, draft, quant, draft_quant, use_draft, distributed, batch_tokens)
     resolved = resolve(model, draft, quant)
     target_path = fetch(resolved.target, ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.jinja"])
     group = _pipeline_group(distributed, timeout)
@@ -85,15 +95,11 @@ def load(
         note = "drafting disabled (--no-draft)"
     elif resolved.draft:
         draft_path = fetch(resolved.draft, ["*.json", "*.safetensors"])
-        # fp16 activations overflow in drafters (zero acceptance seen in other ports)
-        dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
-        # MLX's CPU backend multiplies quantized weights several times slower than fp32 with
-        # BLAS (120 vs 10 ms per 16-token block of the shipped drafter: docs/design-decisions.md), so there
-        # they are expanded
-        drafter = fuse(load_draft(draft_path, dtype=dtype, dequantize=mx.default_device() == mx.cpu).bind(target))
+        drafter, precision = _load_drafter(draft_path, target, draft_quant)
+        draft_id = _fingerprint(draft_path) + (f"-as-{precision.name}" if precision.changed else "")
     planner = None
     if drafter is not None and adaptive:
-        pair = f"{target_path.name}-{Path(resolved.draft).name}-{_fingerprint(draft_path)}"
+        pair = f"{target_path.name}-{Path(resolved.draft).name}-{draft_id}"
         if group is not None:  # the network is part of a pass's cost
             pair += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
         key = curve_key(pair, target.dtype)
@@ -114,7 +120,7 @@ def load(
         planner = Planner(cost, drafter.block_size, step_times)
     fingerprint = f"{target_path.name}-{target.dtype}-{_fingerprint(target_path)}"
     if drafter is not None:
-        fingerprint += f"-{_fingerprint(draft_path)}"
+        fingerprint += f"-{draft_id}"
     suffixes = SuffixStore() if planner is not None else None  # read by adaptive requests only
     ends = frozenset(tokenizer.eos_token_ids)
     return DFlashModel(target, drafter, note, planner, fingerprint, suffixes, ends), tokenizer
@@ -123,30 +129,46 @@ def load(
 _said: set[str] = set()  # one-line notices already printed by this process
 
 
+def _load_drafter(path: Path, target: Target, draft_quant: Optional[int]) -> tuple[DFlashDraftModel, DraftPrecision]:
+    """The drafter in `path` at the precision `draft_quant` asks for (load's rule), bound to
+    `target` and fused; its precision, said in one line when loading changes it."""
+    # fp16 activations overflow in drafters (zero acceptance seen in other ports)
+    dtype = target.dtype if target.dtype in (mx.float32, mx.bfloat16) else mx.bfloat16
+    drafter = load_draft(path, dtype=dtype)
+    stored = drafter.quantization["bits"] if drafter.quantization else None
+    precision = draft_precision(draft_quant, stored, runs_packed())
+    if precision.changed:
+        console.print(f"drafter: {precision.describe()}; --draft-quant chooses", style="dim", soft_wrap=True)
+    return fuse(apply_precision(drafter, precision).bind(target)), precision
+
+
 def _fitting_quant(
     model: Optional[str],
     draft: Optional[str],
     quant: Optional[int],
+    draft_quant: Optional[int],
     use_draft: bool,
     distributed: Optional[str],
     batch_tokens: Optional[int],
 ) -> Optional[int]:
     """The quant to load, before anything is downloaded.  `quant` as asked, and for anything but a
-    short name; for a short name without one, the variant that fits this machine, said in one
-    line (a ValueError when none does); an asked-for quant that does not fit is kept, with a note.
-    Not over pipeline ranks: each would judge its own machine, and all must load the same weights."""
-    from .registry import BATCH_CAP_TOKENS, PUBLISHED, QUANT_BITS, fit_note, fitting_variant
+    short name; for a short name without one, the variant that fits this machine (the drafter
+    counted at the precision `draft_quant` loads it at), said in one line (a ValueError when none
+    does); an asked-for quant that does not fit is kept, with a note.  Not over pipeline ranks:
+    each would judge its own machine, and all must load the same weights."""
+    from .registry import BATCH_CAP_TOKENS, PUBLISHED, QUANT_BITS, fit_note, fitting_variant, planned_draft_precision
 
     if model not in PUBLISHED or distributed is not None or quant not in (None, *QUANT_BITS):
         return quant  # (resolve refuses a quant it does not know)
     drafter = (draft or PUBLISHED[model].draft) if use_draft else None
+    held = planned_draft_precision(drafter, draft_quant).held if drafter else None
     tokens = batch_tokens or BATCH_CAP_TOKENS
     if quant is not None:
-        note = fit_note(model, quant, drafter, tokens)
+        note = fit_note(model, quant, drafter, tokens, draft_held=held)
         if note:
             console.print(f"note: {note}", style="yellow", soft_wrap=True)
         return quant
-    choice = fitting_variant(model, drafter, tokens)
+    choice = fitting_variant(model, drafter, tokens, draft_held=held)
     console.print(choice.reason, style="dim", soft_wrap=True)
     return choice.quant
 

@@ -16,6 +16,7 @@ from huggingface_hub import try_to_load_from_cache
 
 from ..cache.prompt_cache import device_memory
 from ..convert.smollm2 import DEFAULT_MODEL, smollm2_path
+from ..drafters.precision import DraftPrecision, draft_precision, runs_packed
 from ..io.storage import looks_like_path
 
 # trained by `dflash-mlx train` (see README); absent until one has been shipped
@@ -182,14 +183,23 @@ def memory_budget() -> Budget:
     return Budget(int(total * RAM_SHARE), f"3/4 of this machine's {gib(total)} GiB")
 
 
-def footprint(name: str, quant: Optional[int], draft: Optional[str], batch_tokens: int) -> Footprint:
+def footprint(
+    name: str, quant: Optional[int], draft: Optional[str], batch_tokens: int, draft_held: Optional[int] = None
+) -> Footprint:
     """What the `quant` variant of the published pair `name` needs: its weights (their stored size
     when they are on this machine already, else its parameters at the variant's bits), the drafter
-    `draft`'s (bf16; none without one), the KV caches of `batch_tokens` context tokens, and working memory."""
+    `draft`'s (none without one; its stored size, else its parameters in bf16; at `draft_held`
+    (16, 8 or 4) bits when loading quantizes or expands it: drafters/precision.py), the KV caches of
+    `batch_tokens` context tokens, and working memory."""
     pair = PUBLISHED[name]
     bits = QUANT_BITS[quant] if quant else pair.size.native_bits
     weights = stored_weight_bytes(variant_repo(pair, quant)) or int(pair.size.params * 1e9 * bits / 8)
-    drafter = 0 if draft is None else stored_weight_bytes(draft) or int(pair.size.draft_params * 1e9 * 2)
+    if draft is None:
+        drafter = 0
+    elif draft_held is None:
+        drafter = stored_weight_bytes(draft) or int(pair.size.draft_params * 1e9 * 2)
+    else:
+        drafter = int(pair.size.draft_params * 1e9 * QUANT_BITS.get(draft_held, 16) / 8)
     return Footprint(quant, weights, drafter, batch_tokens * pair.size.kv_kib * 1024)
 
 
@@ -211,13 +221,42 @@ def stored_weight_bytes(repo: str) -> Optional[int]:
         return None
 
 
+def planned_draft_precision(draft: str, draft_quant: Optional[int]) -> DraftPrecision:
+    """The precision `load` will run the drafter `draft` at on this machine, judged before it is
+    downloaded (its checkpoint's bits: stored_draft_bits)."""
+    return draft_precision(draft_quant, stored_draft_bits(draft), runs_packed())
+
+
+def stored_draft_bits(draft: str) -> Optional[int]:
+    """The bits of a quantized drafter checkpoint whose config is on this machine (a local folder,
+    or the Hugging Face cache, looked up without the network); None for a float one, or one not
+    here (z-lab publishes float drafters)."""
+    folder = Path(draft).expanduser()
+    try:
+        if folder.is_dir():
+            config = folder / "config.json"
+        elif looks_like_path(draft):
+            return None
+        else:
+            config = try_to_load_from_cache(draft, "config.json")
+        quantization = json.loads(Path(config).read_text()).get("quantization") if config else None
+        return quantization.get("bits") if isinstance(quantization, dict) else None
+    except (OSError, ValueError, TypeError, AttributeError):  # a name the hub refuses, a garbled config
+        return None
+
+
 def fitting_variant(
-    name: str, draft: Optional[str], batch_tokens: int = BATCH_CAP_TOKENS, budget: Optional[Budget] = None
+    name: str,
+    draft: Optional[str],
+    batch_tokens: int = BATCH_CAP_TOKENS,
+    budget: Optional[Budget] = None,
+    draft_held: Optional[int] = None,
 ) -> Choice:
     """The most precise variant of the published pair `name` that fits this machine (`budget`),
-    with the line that says which and why; a ValueError with the numbers when none does."""
+    with the line that says which and why; a ValueError with the numbers when none does.
+    `draft_held`: as footprint's."""
     budget = budget or memory_budget()
-    needs = [footprint(name, quant, draft, batch_tokens) for quant in VARIANTS]
+    needs = [footprint(name, quant, draft, batch_tokens, draft_held) for quant in VARIANTS]
     chosen = next((need for need in needs if need.total <= budget.bytes), None)
     if chosen is None:
         smallest = needs[-1]
@@ -237,15 +276,25 @@ def fitting_variant(
 
 
 def fit_note(
-    name: str, quant: int, draft: Optional[str], batch_tokens: int = BATCH_CAP_TOKENS, budget: Optional[Budget] = None
+    name: str,
+    quant: int,
+    draft: Optional[str],
+    batch_tokens: int = BATCH_CAP_TOKENS,
+    budget: Optional[Budget] = None,
+    draft_held: Optional[int] = None,
 ) -> Optional[str]:
     """When the variant asked for (`quant`: kept whatever it needs) does not fit this machine, a line
-    with its need, what is available and the variant that would fit, if any; else None."""
+    with its need, what is available and the variant that would fit, if any; else None.
+    `draft_held`: as footprint's."""
     budget = budget or memory_budget()
-    need = footprint(name, quant, draft, batch_tokens)
+    need = footprint(name, quant, draft, batch_tokens, draft_held)
     if need.total <= budget.bytes:
         return None
-    smaller = [q for q in VARIANTS if q and q < quant and footprint(name, q, draft, batch_tokens).total <= budget.bytes]
+    smaller = [
+        q
+        for q in VARIANTS
+        if q and q < quant and footprint(name, q, draft, batch_tokens, draft_held).total <= budget.bytes
+    ]
     instead = f"--quant {smaller[0]} would fit" if smaller else "no variant fits"
     return f"{name} {label(name, quant)} needs {against(need, budget, batch_tokens)}: {instead}"
 

@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from .config import ARCHITECTURES, CODEBOOKS, DraftArgs, DraftLoadError
 from .model import DFlashDraftModel
+from .precision import expand
 from .vocab import VOCAB_FILE
 
 
@@ -65,11 +66,8 @@ def load_draft(path: str | Path, dtype: Optional[mx.Dtype] = None, dequantize: b
         model.quantization = quantization
     _load_weights_checked(model, weights, path)
     model.set_dtype(safe_activation_dtype(dtype or model.dtype))
-    if dequantize and model.quantization:  # after the cast: expanded in the activation dtype
-        from mlx_lm.utils import dequantize_model
-
-        dequantize_model(model)
-        model.quantization = None
+    if dequantize:  # after the cast: expanded in the activation dtype
+        expand(model)
     if (path / VOCAB_FILE).is_file():
         try:
             model.restrict_vocab(json.loads((path / VOCAB_FILE).read_text())["token_ids"])

@@ -41,12 +41,18 @@ class ModelOptions:
     model: Optional[str] = None
     draft: Optional[str] = None
     quant: Optional[int] = None
+    draft_quant: Optional[int] = None
     no_draft: bool = False
     no_adaptive: bool = False
 
     def serve_arguments(self) -> list[str]:
         args = []
-        for flag, value in (("--model", self.model), ("--draft", self.draft), ("--quant", self.quant)):
+        for flag, value in (
+            ("--model", self.model),
+            ("--draft", self.draft),
+            ("--quant", self.quant),
+            ("--draft-quant", self.draft_quant),
+        ):
             if value is not None:
                 args += [flag, str(value)]
         return args + ["--no-draft"] * self.no_draft + ["--no-adaptive"] * self.no_adaptive
