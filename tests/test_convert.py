@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from dflash_mlx import load
 from dflash_mlx.cli import app
-from dflash_mlx.convert.models import convert_draft, convert_target, quantize_draft
+from dflash_mlx.convert.models import convert_draft, convert_target
+from dflash_mlx.drafters.precision import quantize_draft
 from dflash_mlx.drafters import DFlashDraftModel, DraftLoadError, load_draft, save_draft
 from dflash_mlx.decode.decoder import decode
 from dflash_mlx.decode.model import DecodeStats, DFlashModel

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from ..drafters import DFlashDraftModel, load_draft, save_draft
+from ..drafters import load_draft, save_draft
+from ..drafters.precision import quantize_draft
 from ..io.progress import add_task, progress
 from ..io.storage import fetch, staged, writable
 
@@ -41,24 +41,6 @@ def _check_quant(q_bits: Optional[int], q_group_size: int) -> None:
 
 
 # ---------------------------------------------------------------- drafters
-
-
-def quantize_draft(draft: DFlashDraftModel, bits: int, group_size: int, quantize_fc: bool = True) -> dict:
-    """Quantize the drafter's linear layers and DFlash 2 codebooks in place (norms never); returns
-    the config entry."""
-    skipped = [] if quantize_fc else ["fc"]
-
-    def predicate(path: str, module: nn.Module) -> bool:
-        return (
-            isinstance(module, (nn.Linear, nn.Embedding))
-            and path not in skipped
-            and module.weight.shape[-1] % group_size == 0
-        )
-
-    nn.quantize(draft, group_size=group_size, bits=bits, class_predicate=predicate)
-    entry = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    entry.update({path: False for path in skipped})
-    return entry
 
 
 def convert_draft(

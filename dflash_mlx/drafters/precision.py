@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .model import DFlashDraftModel
 
@@ -78,6 +79,24 @@ def draft_precision(asked: Optional[int], stored: Optional[int], packed: bool) -
     return DraftPrecision(stored, bits, packed)
 
 
+def quantize_draft(draft: DFlashDraftModel, bits: int, group_size: int, quantize_fc: bool = True) -> dict:
+    """Quantize the drafter's linear layers and DFlash 2 codebooks in place (norms never); returns
+    the config entry."""
+    skipped = [] if quantize_fc else ["fc"]
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        return (
+            isinstance(module, (nn.Linear, nn.Embedding))
+            and path not in skipped
+            and module.weight.shape[-1] % group_size == 0
+        )
+
+    nn.quantize(draft, group_size=group_size, bits=bits, class_predicate=predicate)
+    entry = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    entry.update({path: False for path in skipped})
+    return entry
+
+
 def check_draft_quant(asked: Optional[int]) -> None:
     if asked is not None and asked not in DRAFT_QUANTS:
         raise ValueError(f"draft_quant must be {FLOAT} (float), 8 or 4 (or None: automatic), got {asked!r}")
@@ -86,8 +105,6 @@ def check_draft_quant(asked: Optional[int]) -> None:
 def apply_precision(draft: DFlashDraftModel, precision: DraftPrecision) -> DFlashDraftModel:
     """`draft` (loaded as stored) brought to `precision`: quantized the way `convert draft`
     quantizes (its layer rule), and expanded where quantized weights do not run packed."""
-    from ..convert.models import quantize_draft  # convert imports the drafters
-
     if precision.changed:
         expand(draft)  # re-quantized from its values, not from its packed form
         if precision.bits is not None:
