@@ -8,7 +8,7 @@ import mlx.nn as nn
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx import generate, load, stream_generate
+from dflash_mlx import format_prompt, generate, load, stream_generate
 from dflash_mlx.api import loading, registry
 from dflash_mlx.api.loading import _fingerprint
 from dflash_mlx.cli import app
@@ -141,6 +141,10 @@ def test_greedy_output_is_the_targets_at_any_drafter_precision(target_dir, float
     plain, tokenizer = load(target_dir, use_draft=False)
     model, _ = load(target_dir, str(float_draft), draft_quant=bits, adaptive=False)
     assert linear_bits(model.draft)[0] == (bits if packed else None)
+    last = None
+    for last in stream_generate(model, tokenizer, PROMPT, 24):
+        pass
+    assert last.generation_tokens == 24  # (a random drafter: the slow test below has drafts accepted)
     assert generate(model, tokenizer, PROMPT, max_tokens=24) == generate(plain, tokenizer, PROMPT, max_tokens=24)
 
 
@@ -213,10 +217,10 @@ def test_the_shipped_pair_at_4_bits_packed_is_lossless_and_still_accepts(on_a_gp
     plain, tokenizer = load(use_draft=False)
     model, _ = load(draft_quant=4, adaptive=False)
     assert set(linear_bits(model.draft)) == {4}
-    expected = generate(plain, tokenizer, "What is the capital of France?", max_tokens=32)
-    last = None
-    text = ""
-    for last in stream_generate(model, tokenizer, "What is the capital of France?", 32):
+    prompt = format_prompt(tokenizer, "Write a Python function that reverses a string.")
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, 48):
         text += last.text
-    assert text == expected
+    assert last.generation_tokens == 48
+    assert text == generate(plain, tokenizer, prompt, max_tokens=48)
     assert last.tau > 1.2  # a trained drafter's drafts, not a random one's
