@@ -13,7 +13,7 @@ from ..decode.grammar import Grammar
 from ..io.progress import add_task, progress
 from ..decode.model import DFlashModel, Step
 from ..cache.prompt_cache import PromptCache
-from ..decode.request import Request
+from ..decode.request import Request, check_token_ids
 from ..sampling import SamplingParams, TokenLogprob, check_seed
 from .loading import context_limit
 
@@ -112,9 +112,7 @@ def prompt_ids(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array
         raise TypeError(f"prompt must be a string, chat messages or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError("the prompt is empty; give some text to continue")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    check_token_ids(ids, vocab_size)
     return mx.array(ids, dtype=mx.int32)
 
 

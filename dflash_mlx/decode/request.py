@@ -40,6 +40,14 @@ class Context:
         return self.cache
 
 
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """A ValueError naming the first id outside the vocabulary: an embedding read past its table
+    gives whatever memory lies there, not an error."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
 @dataclass
 class Request:
     """A request as the step sees it.  `block_size` None lets the planner choose its widths
@@ -74,10 +82,7 @@ class Request:
 
     def begin(self, model: DFlashModel) -> None:
         """Ready to decode with `model`: its drafter context, noise, lookup and grammar state."""
-        vocab = model.target.vocab_size
-        if self.prompt and not (0 <= min(self.prompt) and max(self.prompt) < vocab):
-            # an embedding read past its table gives whatever memory lies there, not an error
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}), the target's vocabulary")
+        check_token_ids(self.prompt, model.target.vocab_size)
         self.adaptive = model.draft is not None and self.block_size is None and model.planner is not None
         self.block = 1 if model.draft is None else (self.block_size or model.draft.block_size)
         self.stats.block_size = self.block
