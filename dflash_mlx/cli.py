@@ -69,6 +69,14 @@ DRAFT_QUANT = typer.Option(
     "matmuls are slower, so quantized weights are expanded to float (8 or 4 there gives their drafts "
     "at float's speed). The output is the same either way.",
 )
+# the model options of the commands that serve it (serve, launch)
+SERVED_MODEL = typer.Option(
+    None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."
+)
+SERVED_DRAFT = typer.Option(None, "--draft", help="Drafter HF repo or local dir.")
+SERVED_QUANT = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name.")
+SERVED_PLAIN = typer.Option(False, "--no-draft", help="Serve plain target decoding.")
+SERVED_FULL_BLOCKS = typer.Option(False, "--no-adaptive", help="Always verify full blocks.")
 
 
 def check_draft_quant(draft_quant: Optional[int]) -> None:
@@ -215,14 +223,12 @@ def generate(
 @app.command()
 @user_errors
 def serve(
-    model: Optional[str] = typer.Option(
-        None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."
-    ),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter HF repo or local dir."),
-    quant: Optional[int] = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name."),
+    model: Optional[str] = SERVED_MODEL,
+    draft: Optional[str] = SERVED_DRAFT,
+    quant: Optional[int] = SERVED_QUANT,
     draft_quant: Optional[int] = DRAFT_QUANT,
-    no_draft: bool = typer.Option(False, "--no-draft", help="Serve plain target decoding."),
-    no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks."),
+    no_draft: bool = SERVED_PLAIN,
+    no_adaptive: bool = SERVED_FULL_BLOCKS,
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait; more get 429."),
@@ -428,14 +434,12 @@ def _say_how_it_serves(server, name: str, host: str, port: int, api_key: Optiona
 def launch(
     agent: str = typer.Argument(..., help="claude (Claude Code), codex (Codex CLI) or opencode (OpenCode)."),
     agent_args: Optional[list[str]] = typer.Argument(None, help="After --: arguments for the agent."),
-    model: Optional[str] = typer.Option(
-        None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."
-    ),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter HF repo or local dir."),
-    quant: Optional[int] = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name."),
+    model: Optional[str] = SERVED_MODEL,
+    draft: Optional[str] = SERVED_DRAFT,
+    quant: Optional[int] = SERVED_QUANT,
     draft_quant: Optional[int] = DRAFT_QUANT,
-    no_draft: bool = typer.Option(False, "--no-draft", help="Serve plain target decoding."),
-    no_adaptive: bool = typer.Option(False, "--no-adaptive", help="Always verify full blocks."),
+    no_draft: bool = SERVED_PLAIN,
+    no_adaptive: bool = SERVED_FULL_BLOCKS,
     port: Optional[int] = typer.Option(
         None,
         "--port",
