@@ -446,14 +446,20 @@ def launch(
         help="Reuse the dflash-mlx server on this port, else start one there (default: 8080's, else a free port).",
     ),
     wait: float = typer.Option(600.0, "--wait", help="Seconds a started server may take to load the model."),
+    log_level: str = typer.Option(
+        "info", "--log-level", help="A started server's --log-level (its log file is named on the first line)."
+    ),
 ):
     """Run a coding agent on a local server: started for it and stopped after it, or reused if one is running."""
     from .serve import launch as launcher
 
     check_draft_quant(draft_quant)
+    levels = _server_module().LOG_LEVELS
+    if log_level.lower() not in levels:
+        fail(f"--log-level must be one of {', '.join(levels)}, got {log_level}")
     options = launcher.ModelOptions(model, draft, quant, draft_quant, no_draft, no_adaptive)
     try:
-        status = launcher.launch(agent, options, port, wait, agent_args or [])
+        status = launcher.launch(agent, options, port, wait, agent_args or [], log_level.lower())
     except launcher.LaunchError as e:
         fail(str(e))
     raise typer.Exit(status)

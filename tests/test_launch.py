@@ -5,6 +5,7 @@ tiny test model."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,8 @@ import pytest
 
 pytest.importorskip("uvicorn", reason="the serve extra installs the server")
 
-from dflash_mlx.serve.launch import ModelOptions, Served, codex, context_window, output_budget, toml_value  # noqa: E402
+from dflash_mlx.serve.agents import AGENTS, Plan, Served, codex, fit, plan, toml_value  # noqa: E402
+from dflash_mlx.serve.launch import ModelOptions, context_window  # noqa: E402
 
 HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -82,9 +84,28 @@ def agents_on_path(tmp_path):
         script.write_text(f"#!{sys.executable}\n{STANDIN}")
         script.chmod(0o755)
     env = {**os.environ, "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}", "STANDIN_RECORD": str(tmp_path / "rec")}
-    env["TMPDIR"] = str(tmp_path)  # where the started servers' logs go
+    # where the started servers' logs and prompt caches go; the compiled CPU kernels are shared
+    from dflash_mlx.io.storage import cache_dir
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "cpu-kernels").symlink_to(cache_dir() / "cpu-kernels", target_is_directory=True)
+    env["DFLASH_MLX_CACHE"] = str(tmp_path / "cache")
     env.pop("DFLASH_MLX_API_KEY", None)
     return env
+
+
+WIDE = 32_768  # a window that holds every agent's first request
+
+
+@pytest.fixture(scope="module")
+def wide_dirs(tiny_dirs, tmp_path_factory):
+    """The tiny model with a window of WIDE tokens (its config says so; the weights are the same)."""
+    model_dir, draft_dir = tiny_dirs
+    wide = tmp_path_factory.mktemp("wide") / "model"
+    shutil.copytree(model_dir, wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "max_position_embeddings": WIDE}))
+    return wide, draft_dir
 
 
 def free_port() -> int:
@@ -124,42 +145,45 @@ def assert_configured(agent: str, record: dict, model_id: str, port: int) -> Non
     assert record["answered"][0] == 200
     assert record["argv"][-2:] == ["--extra", "arg"]  # after the launcher's own
     assert record["base"] == f"http://127.0.0.1:{port}/v1"
-    budget = str(output_budget(4096))  # the tiny model's window
+    budget = str(WIDE // 8)
     if agent == "claude":
         env = record["env"]
         assert env["ANTHROPIC_MODEL"] == env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == model_id
         assert env["ANTHROPIC_AUTH_TOKEN"] and env["ANTHROPIC_API_KEY"] == ""
-        assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == budget and env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "4096"
+        assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == budget and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(WIDE)
+        assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in env  # 32k holds no compaction with Claude Code's margins
         assert env["DISABLE_TELEMETRY"] == env["DISABLE_ERROR_REPORTING"] == "1"
         assert record["answered"][1]["type"] == "message"
     elif agent == "codex":
         config = record["config"]
         assert config["model_provider"] == "dflash-mlx" and config["model"] == model_id
         assert config["model_providers.dflash-mlx"]["wire_api"] == "responses"
-        assert config["model_context_window"] == 4096 and config["analytics.enabled"] is False
+        assert config["model_context_window"] == WIDE and config["analytics.enabled"] is False
+        assert config["model_auto_compact_token_limit"] == WIDE - WIDE // 8
         assert record["answered"][1]["object"] == "response"
     else:
         limit = record["config"]["provider"]["dflash-mlx"]["models"][model_id]["limit"]
-        assert limit == {"context": 4096, "output": int(budget)}
+        assert limit == {"context": WIDE, "output": int(budget)}
+        assert "compaction" not in record["config"]  # compaction has room
         assert record["config"]["share"] == "disabled"
         assert record["config"]["provider"]["dflash-mlx"]["options"]["timeout"] is False
         assert record["answered"][1]["object"] == "chat.completion"
 
 
 @pytest.mark.slow
-def test_a_started_server_serves_the_agent_and_is_gone_after_it(agents_on_path, tiny_dirs):
+def test_a_started_server_serves_the_agent_and_is_gone_after_it(agents_on_path, wide_dirs):
     port = free_port()
     env = {**agents_on_path, "STANDIN_EXIT": "3"}
-    done = launch(env, "claude", *tiny_model_options(tiny_dirs), "--port", str(port), "--", "--extra", "arg")
+    done = launch(env, "claude", *tiny_model_options(wide_dirs), "--port", str(port), "--", "--extra", "arg")
     assert done.returncode == 3, done.stderr[-2000:]  # the agent's own exit status
-    assert_configured("claude", recorded(env), str(tiny_dirs[0]), port)
+    assert_configured("claude", recorded(env), str(wide_dirs[0]), port)
     assert not answers(port)  # stopped when the agent exited
 
 
 @pytest.mark.slow
-def test_a_running_server_is_reused_and_left_running(agents_on_path, tiny_dirs):
+def test_a_running_server_is_reused_and_left_running(agents_on_path, wide_dirs):
     port = free_port()
-    command = [sys.executable, "-m", "dflash_mlx.cli", "serve", *tiny_model_options(tiny_dirs), "--port", str(port)]
+    command = [sys.executable, "-m", "dflash_mlx.cli", "serve", *tiny_model_options(wide_dirs), "--port", str(port)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
@@ -170,7 +194,7 @@ def test_a_running_server_is_reused_and_left_running(agents_on_path, tiny_dirs):
             done = launch(agents_on_path, agent, "--port", str(port), "--", "--extra", "arg")
             assert done.returncode == 0, done.stderr[-2000:]
             assert "reusing the dflash-mlx server" in done.stderr
-            assert_configured(agent, recorded(agents_on_path), str(tiny_dirs[0]), port)
+            assert_configured(agent, recorded(agents_on_path), str(wide_dirs[0]), port)
             assert answers(port)  # not the launcher's to stop
     finally:
         server.send_signal(signal.SIGTERM)
@@ -178,13 +202,13 @@ def test_a_running_server_is_reused_and_left_running(agents_on_path, tiny_dirs):
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_the_agent_then_the_server(agents_on_path, tiny_dirs):
+def test_ctrl_c_ends_the_agent_then_the_server(agents_on_path, wide_dirs):
     """Ctrl-C in a terminal reaches its foreground process group: the launcher and the agent.  The
     agent decides what it does (here: it dies); the launcher then stops the server it started,
     which is in a session of its own, and exits with the agent's status."""
     port = free_port()
     env = {**agents_on_path, "STANDIN_WAIT": "1"}
-    command = [sys.executable, "-m", "dflash_mlx.cli", "launch", "claude", *tiny_model_options(tiny_dirs)]
+    command = [sys.executable, "-m", "dflash_mlx.cli", "launch", "claude", *tiny_model_options(wide_dirs)]
     launcher = subprocess.Popen([*command, "--port", str(port)], env=env, start_new_session=True)
     try:
         for _ in range(3000):
@@ -246,18 +270,83 @@ def test_model_options_pass_through_to_serve():
 
 
 def test_the_reply_budget_leaves_the_window_to_the_conversation():
-    assert output_budget(8192) == 1024 and output_budget(40960) == 5120
-    assert output_budget(262144) == 32000  # the agents' own ceiling
-    assert output_budget(None) == 8192  # a window not known here: what every published target holds
+    codex_agent = AGENTS["codex"]
+    assert plan(codex_agent, 40960, 6000).reply == 5120 and plan(codex_agent, 262144, 6000).reply == 32000
+    assert plan(codex_agent, None, 6000) == Plan(
+        8192, True
+    )  # a window not known here: what every published target holds
+    assert plan(codex_agent, 8192, 7587).reply == 605  # what the window leaves after the first request
+
+
+@pytest.mark.parametrize(
+    "agent, window, first, compacts",
+    [
+        ("opencode", 8192, 7587, False),  # a summary on top of the first request would overflow again
+        ("opencode", 40960, 7587, True),
+        ("codex", 8192, 6472, False),
+        ("codex", 40960, 6472, True),
+        ("claude", 8192, 1076, False),  # Claude Code's own 13,000-token margin exceeds the window
+        ("claude", 40960, 22643, False),  # its line, 22,840, is just above the first request
+        ("claude", 131072, 22643, True),
+    ],
+)
+def test_compaction_only_where_a_summary_fits_below_the_agents_line(agent, window, first, compacts):
+    session = plan(AGENTS[agent], window, first)
+    assert session.compact is compacts
+    if compacts:  # after compacting: the first request, a summary and a reply below the line
+        assert first + 2 * session.reply <= AGENTS[agent].compaction_line(window, session.reply)
+
+
+def test_each_agent_is_told_whether_it_may_compact():
+    served = Served("http://127.0.0.1:9", "k", "m", 8192)
+    _, env = AGENTS["opencode"].configure(served, Plan(605, False))
+    config = json.loads(env["OPENCODE_CONFIG_CONTENT"])
+    assert config["compaction"] == {"auto": False}  # it also compacts on the server's refusal unless told not to
+    assert config["provider"]["dflash-mlx"]["models"]["m"]["limit"] == {"context": 8192, "output": 605}
+    _, env = AGENTS["claude"].configure(served, Plan(1024, False))
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192" and env["CLAUDE_CODE_BLOCKING_LIMIT_OVERRIDE"] == "7168"
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in env
+    _, env = AGENTS["claude"].configure(Served("u", "k", "m", 131072), Plan(16384, True))
+    assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "131072" and "CLAUDE_CODE_BLOCKING_LIMIT_OVERRIDE" not in env
+    args, _ = AGENTS["codex"].configure(served, Plan(1024, False))
+    assert "model_auto_compact_token_limit=8192" in args  # at the window: never before the server's refusal
+
+
+def test_a_window_too_small_for_the_first_request_names_what_fits():
+    claude = AGENTS["claude"]
+    assert claude.first_request_with([]) == 22643 and claude.first_request_with(["--bare", "-p", "hi"]) == 1076
+    assert claude.first_request_with(["--tools", "Read,Write"]) == 2206
+    assert claude.first_request_with(["--tools", "Bash"]) is None  # not measured: not refused
+    message = fit(claude, 8192, 22643, "SmolLM2-135M-Instruct")
+    assert "cannot hold Claude Code's first request (~22,643 tokens)" in message
+    assert "`--bare`" in message and "`--tools Read,Write`" in message
+    assert fit(claude, 8192, 1076, "m") is None and fit(claude, 8192, None, "m") is None
+    assert "`--bare`" not in fit(claude, 1200, 22643, "m")  # nothing the agent can pass fits: a model
 
 
 def test_codex_overrides_are_toml_and_leave_the_window_room_for_a_reply():
-    args, env = codex(Served("http://127.0.0.1:9", "k", 'a "quoted"/model', 40960))
+    args, env = codex(Served("http://127.0.0.1:9", "k", 'a "quoted"/model', 40960), plan(AGENTS["codex"], 40960, 6472))
     config = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (a.split("=", 1) for a in args[1::2])}
     assert args[::2] == ["-c"] * len(config)
     assert config["model"] == 'a "quoted"/model' and config["model_providers.dflash-mlx"]["env_key"] in env
-    assert config["model_auto_compact_token_limit"] == 40960 - 2 * output_budget(40960)
+    assert config["model_auto_compact_token_limit"] == 40960 - 5120
     assert toml_value({"a": 1, "b": "x"}) == '{a = 1, b = "x"}'
+
+
+@pytest.mark.slow
+def test_a_window_too_small_is_refused_before_the_agent_starts(agents_on_path, tiny_dirs):
+    port = free_port()
+    done = launch(
+        agents_on_path, "opencode", *tiny_model_options(tiny_dirs), "--port", str(port), "--log-level", "debug"
+    )
+    assert done.returncode == 1
+    assert "window (4,096 tokens) cannot hold OpenCode's first request" in done.stderr
+    assert not os.path.exists(agents_on_path["STANDIN_RECORD"])  # the agent never ran
+    assert not answers(port)  # the server started for it is stopped
+    first = done.stderr.splitlines()[0]
+    assert "--log-level debug" in first and "--prompt-cache-dir" in first
+    log = first.rsplit("(log: ", 1)[1].rstrip(")")
+    assert log.startswith(agents_on_path["DFLASH_MLX_CACHE"]) and os.path.getsize(log) > 0
 
 
 def test_a_short_names_window_is_read_from_whichever_variant_is_cached(tmp_path, monkeypatch):

@@ -333,11 +333,13 @@ class Server:
             self.prefill_next_turn(conversation, tools)
 
     def refused(self, error: RequestError) -> None:
-        """A request answered with an error (or a stream ended by one): counted, and a 5xx logged
-        with the traceback of what caused it, if anything did."""
+        """A request answered with an error (or a stream ended by one): counted, and logged with
+        its reason (a 5xx with the traceback of what caused it, if anything did)."""
         self.metrics.rejected(error.status)
         if error.status >= 500:
             log.error("%d: %s", error.status, error, exc_info=error.__cause__)
+        else:  # why, beside the access line (a prompt too long says its tokens and the window)
+            log.info("refused %d: %s", error.status, error)
 
     def stream_failed(self, error: Exception) -> RequestError:
         """A stream ended by `error` (its status sent already): what its last event says, counted

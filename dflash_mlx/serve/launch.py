@@ -12,20 +12,19 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+
+from ..io.storage import cache_dir
+from .agents import AGENTS, KEY_ENV, Plan, Served, fit, plan
 
 HOST = "127.0.0.1"
 SERVE_PORT = 8080  # `dflash-mlx serve`'s default: a server the user runs there is reused
-KEY_ENV = "DFLASH_MLX_API_KEY"  # the key a server started from this environment requires, if set
 DUMMY_KEY = "dflash-mlx"  # agents refuse to start without some key; a server without --api-key takes any
-MAX_OUTPUT_TOKENS = 32_000  # the agents' own usual ceiling for a reply
-UNKNOWN_CONTEXT_OUTPUT_TOKENS = 8_192  # a 64k window's budget; a fifth of Qwen3's 40,960, the smallest published pair's
 DRAIN_SECONDS = 10.0  # `dflash-mlx serve --drain-seconds`' default
 HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
 
@@ -58,119 +57,9 @@ class ModelOptions:
         return args + ["--no-draft"] * self.no_draft + ["--no-adaptive"] * self.no_adaptive
 
 
-@dataclass(frozen=True)
-class Served:
-    """What an agent is told about the server it talks to."""
-
-    url: str  # http://127.0.0.1:PORT, without /v1
-    key: str
-    model: str  # the id GET /v1/models gives
-    context: Optional[int]  # the model's window in tokens; None when it cannot be read on this machine
-
-    @property
-    def output_tokens(self) -> int:
-        return output_budget(self.context)
-
-
-def output_budget(context: Optional[int]) -> int:
-    """A reply's budget: an eighth of the window (at most MAX_OUTPUT_TOKENS).  Agents send it as
-    max_tokens and keep it free when they decide to compact (Claude Code at the window less
-    min(budget, 20,000) less 13,000), so their defaults (32,000 and more) would leave a 40,960
-    window almost nothing for the conversation."""
-    if context is None:
-        return UNKNOWN_CONTEXT_OUTPUT_TOKENS
-    return max(1, min(MAX_OUTPUT_TOKENS, context // 8))
-
-
-@dataclass(frozen=True)
-class Agent:
-    executable: str
-    title: str
-    install: str
-    configure: Callable[[Served], tuple[list[str], dict[str, str]]]  # its arguments and environment
-
-
-def claude_code(served: Served) -> tuple[list[str], dict[str, str]]:
-    """Claude Code speaks the Anthropic Messages API; everything is set by environment variables
-    (code.claude.com/docs/en/env-vars)."""
-    model = served.model
-    env = {
-        "ANTHROPIC_BASE_URL": served.url,
-        "ANTHROPIC_AUTH_TOKEN": served.key,
-        "ANTHROPIC_API_KEY": "",  # a real Anthropic key in the shell is neither sent here nor asked about
-        "ANTHROPIC_MODEL": model,
-        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
-        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
-        "ANTHROPIC_SMALL_FAST_MODEL": model,  # the haiku slot's older name, which older versions read
-        "CLAUDE_CODE_SUBAGENT_MODEL": model,
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(served.output_tokens),
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-    }
-    if served.context:  # else Claude Code assumes 200k and would compact too late
-        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(served.context)
-    return [], env
-
-
-def codex(served: Served) -> tuple[list[str], dict[str, str]]:
-    """Codex reads ~/.codex/config.toml (CODEX_HOME, which also holds its login), so it gets a
-    provider of its own through `-c key=value` overrides instead (the Responses API)."""
-    provider = {"name": "dflash-mlx", "base_url": f"{served.url}/v1", "env_key": KEY_ENV, "wire_api": "responses"}
-    overrides = {
-        "model_provider": "dflash-mlx",
-        "model_providers.dflash-mlx": provider,
-        "model": served.model,
-        "web_search": "disabled",  # a server-side tool; the server runs none
-        "features.multi_agent": False,  # its tools come as a "namespace", not as function tools
-        "analytics.enabled": False,
-    }
-    if served.context:  # else Codex assumes a window far larger than most local models have
-        overrides["model_context_window"] = served.context
-        # room for a reply and as much again for the tool results that come before the next check
-        overrides["model_auto_compact_token_limit"] = served.context - 2 * served.output_tokens
-    args = [part for key, value in overrides.items() for part in ("-c", f"{key}={toml_value(value)}")]
-    return args, {KEY_ENV: served.key}
-
-
-def opencode(served: Served) -> tuple[list[str], dict[str, str]]:
-    """OpenCode merges OPENCODE_CONFIG_CONTENT over its config files (opencode.ai/docs/config):
-    a provider of its own, chosen as the model and the small model."""
-    model = {"name": served.model, "tool_call": True}
-    if served.context:  # else OpenCode takes the window as unknown and never compacts
-        model["limit"] = {"context": served.context, "output": served.output_tokens}
-    provider = {
-        "npm": "@ai-sdk/openai-compatible",
-        "name": "dflash-mlx",
-        # no timeouts: a long prompt's prefill on a local machine can outlast OpenCode's 5 minutes
-        "options": {"baseURL": f"{served.url}/v1", "apiKey": served.key, "timeout": False, "headerTimeout": False},
-        "models": {served.model: model},
-    }
-    config = {
-        "$schema": "https://opencode.ai/config.json",
-        "provider": {"dflash-mlx": provider},
-        "model": f"dflash-mlx/{served.model}",
-        "small_model": f"dflash-mlx/{served.model}",
-        "share": "disabled",  # sessions stay on this machine
-    }
-    return [], {"OPENCODE_CONFIG_CONTENT": json.dumps(config)}
-
-
-AGENTS = {
-    "claude": Agent("claude", "Claude Code", "npm install -g @anthropic-ai/claude-code", claude_code),
-    "codex": Agent("codex", "Codex CLI", "npm install -g @openai/codex", codex),
-    "opencode": Agent("opencode", "OpenCode", "npm install -g opencode-ai", opencode),
-}
-
-
-def toml_value(value) -> str:
-    """A `-c` override's value as TOML (a JSON string is a TOML basic string)."""
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{key} = {toml_value(item)}" for key, item in value.items()) + "}"
-    return json.dumps(value)
-
-
-def launch(name: str, options: ModelOptions, port: Optional[int], wait: float, agent_args: list[str]) -> int:
+def launch(
+    name: str, options: ModelOptions, port: Optional[int], wait: float, agent_args: list[str], log_level: str = "info"
+) -> int:
     """Run agent `name` on a dflash-mlx server at `port` (reused if one answers there, else
     started; no port: a server on 8080 is reused, else one is started on a free port), with
     `agent_args` after the launcher's own; returns the agent's exit status."""
@@ -187,22 +76,32 @@ def launch(name: str, options: ModelOptions, port: Optional[int], wait: float, a
         try:
             if model is None:
                 url = f"http://{HOST}:{port or free_port()}"
-                server = start_server(options, url, wait)
+                server = start_server(options, url, wait, log_level)
                 model = dflash_model(url, key)
                 if model is None:
                     raise LaunchError(f"dflash-mlx serve at {url} stopped answering once ready (see its log)")
             else:
                 say_reused(url, model["id"], options)
             served = Served(url, key, model["id"], context_window(model["id"], options.quant))
-            args, env = agent.configure(served)
-            window = (
-                f"{served.context} tokens" if served.context else f"unknown, replies of {served.output_tokens} tokens"
-            )
-            say(f"{agent.title} on {served.model} at {url} (window: {window})")
+            first_request = agent.first_request_with(agent_args)
+            refusal = fit(agent, served.context, first_request, served.model)
+            if refusal:
+                raise LaunchError(refusal)
+            session = plan(agent, served.context, first_request)
+            args, env = agent.configure(served, session)
+            say(f"{agent.title} on {served.model} at {url} ({describe(served.context, first_request, session)})")
             return run_agent([executable, *args, *agent_args], {**os.environ, **env})
         finally:
             if server is not None:
                 stop_server(server)
+
+
+def describe(window: Optional[int], first_request: Optional[int], session: Plan) -> str:
+    if window is None:
+        return f"window unknown; replies of {session.reply:,} tokens"
+    first = f"first request ~{first_request:,} tokens; " if first_request else ""
+    compaction = "" if session.compact else "; no compaction: the window holds no summary besides the first request"
+    return f"window {window:,} tokens; {first}replies up to {session.reply:,}{compaction}"
 
 
 def reusable_server(port: Optional[int], key: str) -> tuple[Optional[str], Optional[dict]]:
@@ -257,14 +156,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(options: ModelOptions, url: str, wait: float) -> subprocess.Popen:
-    """`dflash-mlx serve` on `url`'s port, answering /health within `wait` seconds; its output
-    goes to a log file (on the terminal it would tear through the agent's screen)."""
+def start_server(options: ModelOptions, url: str, wait: float, log_level: str) -> subprocess.Popen:
+    """`dflash-mlx serve` on `url`'s port, answering /health within `wait` seconds, with its
+    prompt cache kept on disk across launches (an agent's long system prompt is read back
+    instead of prefilled again); its output goes to a log file beside that cache (on the
+    terminal it would tear through the agent's screen)."""
     port = url.rsplit(":", 1)[1]
-    serve = ["serve", *options.serve_arguments(), "--host", HOST, "--port", port]
-    fd, log = tempfile.mkstemp(prefix=f"dflash-mlx-serve-{port}-", suffix=".log")
+    prompt_cache = cache_dir() / "prompt-cache"
+    serve = ["serve", *options.serve_arguments(), "--host", HOST, "--port", port, "--log-level", log_level]
+    serve += ["--prompt-cache-dir", str(prompt_cache)]
+    log = cache_dir() / "logs" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    prompt_cache.mkdir(parents=True, exist_ok=True)
     say(f"starting dflash-mlx {' '.join(serve)} (log: {log})")
-    with os.fdopen(fd, "wb") as out:
+    with open(log, "ab") as out:
         # a session of its own: Ctrl-C typed into the agent (which interrupts a turn there) reaches
         # the terminal's whole process group, and must not stop the server under it
         server = subprocess.Popen(
@@ -275,7 +180,7 @@ def start_server(options: ModelOptions, url: str, wait: float) -> subprocess.Pop
             start_new_session=True,
         )
     try:
-        wait_until_healthy(server, url, wait, Path(log))
+        wait_until_healthy(server, url, wait, log)
     except BaseException:
         stop_server(server)
         raise
