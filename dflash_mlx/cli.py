@@ -340,7 +340,9 @@ def _server_module():
     try:
         from .serve import app as serving
     except ImportError as e:
-        fail(f"the server needs its extra: pip install 'dflash-mlx[serve]' ({e.name} is missing)")
+        fail(
+            f"the server needs its extra: pip install -e '.[serve]' in the repository, or pip install starlette uvicorn llguidance ({e.name} is missing)"
+        )
     return serving
 
 

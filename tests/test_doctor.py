@@ -12,7 +12,19 @@ from dflash_mlx.cli import app
 
 runner = CliRunner()
 GIB = 1 << 30
-ITEMS = ["platform", "chip", "memory", "python", "mlx", "mlx-lm", "default device", "metal", "blas", "cache dir"]
+ITEMS = [
+    "platform",
+    "chip",
+    "memory",
+    "python",
+    "distribution",
+    "mlx",
+    "mlx-lm",
+    "default device",
+    "metal",
+    "blas",
+    "cache dir",
+]
 
 
 @pytest.fixture
@@ -53,6 +65,7 @@ def test_doctor_json_has_every_fact(offline):
         "chip",
         "memory",
         "python",
+        "distribution",
         "mlx",
         "mlx_lm",
         "default_device",
@@ -66,6 +79,40 @@ def test_doctor_json_has_every_fact(offline):
     assert facts["cache_dir"] == str(offline / "cache")
     assert facts["cost_curves"] == {"folder": str(offline / "cache" / "costs"), "files": [], "present": False}
     assert isinstance(facts["metal"]["available"], bool)
+
+
+class Dist:
+    def __init__(self, script: str):
+        from importlib.metadata import EntryPoint, EntryPoints
+
+        self.entry_points = EntryPoints([EntryPoint("x", script, "console_scripts")])
+
+
+@pytest.mark.parametrize(
+    "owners, script, warning",
+    [
+        (["mlx-dflash"], None, None),
+        (["dflash-mlx", "mlx-dflash"], "dflash_mlx.cli:main", "another DFlash port"),  # the other project's `dflash`
+        (["dflash-mlx"], "dflash_mlx.cli:app", "an older install of this project"),
+    ],
+)
+def test_doctor_names_the_distribution_that_owns_dflash_mlx(monkeypatch, owners, script, warning):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"dflash_mlx": owners})
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Dist(script))
+    monkeypatch.setattr(doctor, "_version", lambda name: "1.0")
+    found = doctor.distribution()
+    assert found["owners"] == [f"{name} 1.0" for name in owners]
+    assert (found["warning"] is None) if warning is None else (warning in found["warning"])
+    if warning:
+        assert "pip uninstall dflash-mlx" in doctor._distribution_line(found)
+
+
+def test_this_checkout_is_installed_under_its_own_name():
+    import importlib.metadata
+
+    assert "mlx-dflash" in importlib.metadata.packages_distributions()["dflash_mlx"]
 
 
 def small_mac(monkeypatch):

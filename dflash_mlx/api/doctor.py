@@ -36,6 +36,7 @@ def report(model: Optional[str] = None, quant: Optional[int] = None, draft_quant
         "chip": metal.chip_name(),
         "memory": memory(),
         "python": platform.python_version(),
+        "distribution": distribution(),
         "mlx": mx.__version__,
         "mlx_lm": _version("mlx-lm"),
         "default_device": str(mx.default_device()),
@@ -48,6 +49,34 @@ def report(model: Optional[str] = None, quant: Optional[int] = None, draft_quant
     if model is not None:
         facts["model"] = model_plan(model, quant, draft_quant)
     return facts
+
+
+DISTRIBUTION = "mlx-dflash"  # this project's name on PyPI (pyproject.toml)
+OTHER_PROJECT = "dflash-mlx"  # PyPI's dflash-mlx is another DFlash port, whose import package is dflash_mlx too
+
+
+def distribution() -> dict:
+    """Which installed distributions provide the `dflash_mlx` import package, and a warning when
+    one of them is not this project (the two would overwrite each other's files)."""
+    owners = sorted(set(importlib.metadata.packages_distributions().get("dflash_mlx", [])))
+    found = {"owners": [f"{name} {_version(name)}" for name in owners], "warning": None}
+    if OTHER_PROJECT in owners and not _is_this_project(OTHER_PROJECT):
+        found["warning"] = (
+            f"the PyPI project {OTHER_PROJECT} (another DFlash port) is installed and also provides dflash_mlx: "
+            f"pip uninstall {OTHER_PROJECT}, then reinstall this one from its repository (pip install -e .)"
+        )
+    elif OTHER_PROJECT in owners:
+        found["warning"] = (
+            f"an older install of this project under the name {OTHER_PROJECT} is still registered: "
+            f"pip uninstall {OTHER_PROJECT}, then pip install -e . again"
+        )
+    return found
+
+
+def _is_this_project(name: str) -> bool:
+    """Whether distribution `name` installs this project's command (the other port's is `dflash`)."""
+    scripts = importlib.metadata.distribution(name).entry_points.select(group="console_scripts")
+    return any(script.value == "dflash_mlx.cli:app" for script in scripts)
 
 
 def _version(package: str) -> str:
@@ -221,6 +250,7 @@ def describe(facts: dict) -> str:
         f"chip: {facts['chip']}",
         f"memory: {memory['total_gib']} GiB ({memory['usable_gib']} GiB usable: {memory['usable']})",
         f"python: {facts['python']}",
+        _distribution_line(facts["distribution"]),
         f"mlx: {facts['mlx']}",
         f"mlx-lm: {facts['mlx_lm']}",
         f"default device: {facts['default_device']}",
@@ -234,6 +264,11 @@ def describe(facts: dict) -> str:
     if "model" in facts:
         lines += ["model:", *_model_lines(facts["model"])]
     return "\n".join(lines)
+
+
+def _distribution_line(found: dict) -> str:
+    owners = ", ".join(found["owners"]) or "none registered (run from a source tree?)"
+    return f"distribution: {owners}" + (f"\n  warning: {found['warning']}" if found["warning"] else "")
 
 
 def _curves_line(label: str, curves: dict) -> str:

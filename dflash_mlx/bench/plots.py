@@ -1,4 +1,4 @@
-"""PNG plots for training curves and benchmark results (needs matplotlib: `pip install dflash-mlx[plots]`)."""
+"""PNG plots for training curves and benchmark results (needs matplotlib: the `plots` extra)."""
 
 import json
 from pathlib import Path
@@ -15,7 +15,9 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MissingMatplotlib("plots need matplotlib: pip install 'dflash-mlx[plots]'") from None
+        raise MissingMatplotlib(
+            "plots need matplotlib: pip install matplotlib (or pip install -e '.[plots]' in the repository)"
+        ) from None
     return plt
 
 

@@ -12,7 +12,7 @@ tokens are the proposal (`forced`): verified with the target's next choice in on
 pass, and certain to be accepted, since the mask leaves nothing else.
 
 Grammars come from llguidance (the constrained-decoding engine llama.cpp, vLLM
-and SGLang use; an optional dependency: pip install 'dflash-mlx[serve]').
+and SGLang use; an optional dependency: the `serve` extra).
 """
 
 import json
@@ -29,7 +29,7 @@ def _llguidance():
         import llguidance.hf
     except ImportError:
         raise RuntimeError(
-            "structured output needs llguidance: pip install 'dflash-mlx[serve]' (or pip install llguidance)"
+            "structured output needs llguidance: pip install llguidance (or pip install -e '.[serve]' in the repository)"
         ) from None
     return llguidance
 
