@@ -22,7 +22,7 @@ from dflash_mlx.cache.prompt_cache import PromptCache
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import BatchTargetCache
 from test_engine import MODEL_TYPES, PROMPTS, plain_greedy
-from tiny_models import Clock, Recording, random_dflash2, random_draft, rows_oracle_draft, tiny_target
+from tiny_models import Clock, by_family, Recording, random_dflash2, random_draft, rows_oracle_draft, tiny_target
 
 BATCH_FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"]
 
@@ -46,7 +46,7 @@ def oracle_for(target, prompts, max_tokens, seed=0):
     return rows_oracle_draft(target, references, wrong, block_size=6), references
 
 
-@pytest.mark.parametrize("model_type", BATCH_FAMILIES)
+@pytest.mark.parametrize("model_type", by_family(BATCH_FAMILIES))
 def test_each_row_rolls_back_to_its_own_prefix(model_type):
     """After a batched verify of 6 tokens with a different keep per row, each row's cache is the
     cache of its prompt + its kept tokens alone (logits of a probe token compared)."""
@@ -109,7 +109,7 @@ def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
         assert mx.allclose(hidden_together[row], alone[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", by_family(MODEL_TYPES))
 def test_batched_greedy_is_lossless(model_type):
     target = tiny_target(model_type, seed=2)
     oracle, references = oracle_for(target, PROMPTS, 40)
@@ -223,8 +223,10 @@ def test_a_request_filling_alone_decodes_on_the_cache_it_was_prefilled_into(monk
 
 @pytest.mark.parametrize(
     "model_type, overrides",
-    [(family, {}) for family in BATCH_FAMILIES]
-    + [("llama", {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2})],
+    by_family(
+        [(family, {}) for family in BATCH_FAMILIES]
+        + [("llama", {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2})]
+    ),
 )
 def test_waiting_prompts_are_prefilled_together(model_type, overrides, monkeypatch):
     """Prompts waiting at once are prefilled in one pass per chunk (40 tokens a pass, shared by
@@ -442,7 +444,7 @@ class Apart(Planner):
         return [([0, 2], wide), ([1], [PLAIN])]
 
 
-@pytest.mark.parametrize("model_type", BATCH_FAMILIES)
+@pytest.mark.parametrize("model_type", by_family(BATCH_FAMILIES))
 def test_passes_over_some_rows_of_a_batch_are_exact(model_type):
     """Rows verified apart (the first and last in a pass of their own: the batch's rows reordered
     to make them consecutive; the middle one plain in another pass) decode exactly what they

@@ -12,6 +12,7 @@ from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
 from tiny_models import (
+    by_family,
     VOCAB,
     Recording,
     oracle_draft,
@@ -53,7 +54,7 @@ def dflash_greedy(target, draft, prompt, max_tokens=MAX_TOKENS, block_size=None)
     return out, stats
 
 
-@pytest.fixture(scope="module", params=MODEL_TYPES)
+@pytest.fixture(scope="module", params=by_family(MODEL_TYPES))
 def target(request):
     return tiny_target(request.param, seed=2)
 
@@ -157,7 +158,9 @@ def test_max_tokens_inside_a_block(max_tokens):
     assert out == reference[:max_tokens]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "model_type", by_family(["llama", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "deepseek_v3"])
+)
 def test_rollback_restores_the_exact_state(model_type):
     """After verifying 6 tokens and keeping k, the cache is the cache of prompt + k tokens."""
     target = tiny_target(model_type, seed=2)

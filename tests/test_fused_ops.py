@@ -18,7 +18,7 @@ from dflash_mlx.kernels.fused_ops import (
     unfused,
 )
 from dflash_mlx.target.wrapper import BatchTargetCache
-from tiny_models import same_up_to_rounding, tiny_model, tiny_target
+from tiny_models import by_family, same_up_to_rounding, tiny_model, tiny_target
 
 pytestmark = pytest.mark.skipif(
     not fusing(),
@@ -43,7 +43,7 @@ def logits_fused_and_not(model_type: str):
         yield target.model(batch, cache=ours), twin(batch, cache=theirs)
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", by_family(FAMILIES))
 def test_compiled_norms_and_ropes_compute_the_same_bits_as_mlx_lm(model_type, monkeypatch):
     """Prefill, single-token steps and a 4-token verify: logits bitwise equal to the
     same weights run by mlx-lm's own (unfused) modules, with the norms and RoPEs compiled
@@ -54,7 +54,7 @@ def test_compiled_norms_and_ropes_compute_the_same_bits_as_mlx_lm(model_type, mo
         assert mx.array_equal(a, b).item(), f"{model_type}: logits differ by {mx.abs(a - b).max().item()}"
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", by_family(FAMILIES))
 def test_a_fused_target_stays_within_rounding_of_mlx_lm(model_type):
     """The same passes with everything fused_ops does: logits within float32 rounding of
     mlx-lm's own modules, and the same greedy tokens."""
@@ -159,7 +159,7 @@ def test_what_the_compiled_softmax_does_not_cover_is_mlx_lms_attention(case, mon
     assert mx.array_equal(got, want).item()
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", by_family(FAMILIES))
 def test_every_attention_calling_mlx_lms_is_stood_in_for_and_unfused_puts_it_back(model_type):
     model = tiny_model(model_type)
     calling = sum(fused_ops._calls_mlx_attention(m) for _, m in model.named_modules())

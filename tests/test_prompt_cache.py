@@ -22,7 +22,7 @@ from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.cache.prompt_cache import PromptCache, default_bytes
 from dflash_mlx.decode.request import Request
 from dflash_mlx.sampling import SamplingParams
-from tiny_models import random_draft, tiny_target
+from tiny_models import by_family, random_draft, tiny_target
 
 SYSTEM = list(range(30, 70))  # a shared prefix (think: system prompt + earlier turns)
 
@@ -261,7 +261,7 @@ def test_a_session_keeps_one_entry_where_its_states_can_be_cut_back(model_type):
     assert cached == len(retried) - 1
 
 
-@pytest.mark.parametrize("model_type, overrides", SESSION_FAMILIES)
+@pytest.mark.parametrize("model_type, overrides", by_family(SESSION_FAMILIES))
 @pytest.mark.parametrize("drafter", [True, False])
 def test_the_state_after_an_answer_serves_the_next_turn(model_type, overrides, drafter):
     """A session: each turn's prompt is the last one + its answer + a new message.  The state

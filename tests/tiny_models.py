@@ -1,6 +1,7 @@
 """Tiny random-weight targets and drafters for tests (fp32, built in memory)."""
 
 import mlx.core as mx
+import pytest
 from mlx.utils import tree_map
 
 from dflash_mlx.decode.costs import CostModel
@@ -10,6 +11,22 @@ from dflash_mlx.target.wrapper import Target
 
 VOCAB = 97
 HIDDEN = 32
+
+# The families the fast subset (`-m "not slow"`) decodes, one per kind of cache state: full
+# attention (llama), GatedDeltaNet beside attention (qwen3_5), sliding windows beside full
+# attention (gpt_oss). The full suite runs every family.
+FAST_FAMILIES = ("llama", "qwen3_5", "gpt_oss")
+
+
+def by_family(cases: list) -> list:
+    """pytest params for `cases` (family names, or tuples that start with one), the families
+    outside FAST_FAMILIES marked slow."""
+    params = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        marks = () if values[0] in FAST_FAMILIES else pytest.mark.slow
+        params.append(pytest.param(*values, marks=marks))
+    return params
 
 
 def same_up_to_rounding(ours: mx.array, theirs: mx.array) -> bool:
