@@ -202,6 +202,8 @@ class Responses:
         tokens, finish = step.tokens, None
         for i, token in enumerate(tokens):
             if token in self.eos:
+                if self.generated:  # a decode cycle's (the first token is the prompt pass's)
+                    self.stats.keep_of_last_cycle(i)
                 tokens, finish = tokens[:i], "stop"
                 break
         token_logprobs = None if step.logprobs is None else step.logprobs[: len(tokens)]

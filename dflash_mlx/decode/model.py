@@ -64,6 +64,15 @@ class DecodeStats:
     def plain_cycles(self) -> int:
         return sum(w == 1 for w in self.widths)
 
+    def keep_of_last_cycle(self, kept: int) -> None:
+        """The last cycle's tokens past the first `kept` are not the answer's (an EOS among
+        them): it counts those only, or not at all when it committed none of the answer."""
+        if kept:
+            self.accepted_lengths[-1] = kept
+        else:
+            for per_cycle in (self.accepted_lengths, self.widths, self.sources):
+                per_cycle.pop()
+
     @property
     def histogram(self) -> list[int]:
         """histogram[k-1] = number of cycles that committed k tokens, k = 1..block_size."""
