@@ -234,7 +234,7 @@ def attention_check(model: str, HQ: int, HKV: int, D: int, L: int, context: int,
     ck, cv = (mx.random.normal((1, HKV, context + 64, D)).astype(dtype) for _ in range(2))
     span = kernels.ContextSpan(ck, cv, 0, context)
     launch = kernels.block_attention_launch(q, k, v, span, scale=D**-0.5)
-    decision, _ = kernels.prove(launch, lambda: [kernels.block_attention_mlx(q, k, v, span, scale=D**-0.5)], dtype)
+    decision, _ = kernels.prove(launch, lambda: [kernels.block_attention_mlx(q, k, v, span, scale=D**-0.5)])
     return check_row(model, "block_attention", kernels.attention_class(q, k, span, False, None), decision)
 
 
@@ -244,7 +244,7 @@ def tape_check(model: str, HK: int, HV: int, DK: int, DV: int, T: int, dtype=mx.
     g, beta = mx.random.uniform(0.3, 1.0, (1, T, HV)), mx.random.uniform(0.0, 1.0, (1, T, HV))
     state = mx.random.normal((1, HV, DV, DK)) * 0.5
     launch = kernels.gated_delta_tape_launch(q, k, v, g, beta, state)
-    decision, _ = kernels.prove(launch, lambda: kernels.gated_delta_tape_mlx(q, k, v, g, beta, state), dtype)
+    decision, _ = kernels.prove(launch, lambda: kernels.gated_delta_tape_mlx(q, k, v, g, beta, state))
     return check_row(model, "gated_delta_tape", kernels.tape_class(q, k, v), decision)
 
 

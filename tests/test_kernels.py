@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 
+import msl_emulator
 from dflash_mlx.kernels import metal as kernels
 from msl_emulator import build, emulate, generated, run_emulated
 from test_engine import dflash_greedy, plain_greedy
@@ -146,6 +147,23 @@ def test_emulated_gated_delta_tape_half_precision(dtype, emulator):
     got = run_emulated(kernels.gated_delta_tape_launch(*inputs))
     for g, w in zip(got, want):
         assert relative_error(g, w) < TOLERANCE[dtype]
+
+
+def test_the_tape_launch_stays_within_the_threadgroup_ceiling(emulator, monkeypatch):
+    """A compiled pipeline's maxTotalThreadsPerThreadgroup falls below the device's 1024 when the
+    kernel uses many registers, and MLX does not expose it: the tape launches at most
+    THREADGROUP_CEILING threads (256, what Metal guarantees) and is right under any ceiling, here
+    an emulated GPU allowing 64 (128 value rows over 2 simdgroups)."""
+    inputs = tape_inputs(1, 3, 2, 2, 64, 128)
+    assert kernels.gated_delta_tape_launch(*inputs).threadgroup == (kernels.THREADGROUP_CEILING, 1, 1) == (256, 1, 1)
+    monkeypatch.setattr(msl_emulator, "MAX_THREADS_PER_THREADGROUP", 64)
+    with pytest.raises(ValueError, match="exceeds 64 threads"):  # the emulated ceiling bites
+        emulate(kernels.gated_delta_tape_launch(*inputs))
+    monkeypatch.setattr(kernels, "THREADGROUP_CEILING", 64)
+    launch = kernels.gated_delta_tape_launch(*inputs)
+    assert launch.threadgroup == (64, 1, 1)
+    for name, got, want in zip(("y", "state", "delta"), run_emulated(launch), kernels.gated_delta_tape_mlx(*inputs)):
+        assert relative_error(got, want) < TOLERANCE[mx.float32], name
 
 
 def test_tape_twin_is_mlx_lm_recurrence():
@@ -347,7 +365,7 @@ def test_one_compiled_attention_kernel_serves_every_width(monkeypatch, D, dtype)
         assert len(recorded) == 1, "the decoder's block attention did not take the Metal kernel"
         name, source, *dims = recorded[0][:8]
         names.add((name, source))
-        assert dims[3] * dims[4] * dims[5] <= 1024
+        assert dims[3] * dims[4] * dims[5] <= kernels.THREADGROUP_CEILING
     rows, chunk = kernels.attention_tiling(D, dtype)
     # a chunk of keys and of values, and a float32 row (D accumulators, max, sum) per simdgroup
     assert 2 * chunk * D * dtype.size + 8 * (D + 2) * 4 <= kernels.THREADGROUP_MEMORY
@@ -464,7 +482,9 @@ def test_mac_check_self_checks_through_the_emulator(mac_check, emulator, monkeyp
     outcome = mac_check.kernel_self_checks(quick=True, shapes=shapes)
     assert [r["kernel"] for r in outcome.rows] == ["block_attention", "gated_delta_tape"]
     assert not outcome.failed and all(r["max rel. error"] < 2e-2 for r in outcome.rows)
-    monkeypatch.setattr(kernels, "run_metal", lambda launch: [mx.zeros(s, d) for s, d in launch.outputs.values()])
+    monkeypatch.setattr(
+        kernels, "run_metal", lambda launch: launch.results([mx.zeros(s, d) for s, d in launch.outputs.values()])
+    )
     wrong = mac_check.kernel_self_checks(quick=True, shapes=shapes)
     assert wrong.failed and {r["verdict"] for r in wrong.rows} == {"disagrees"}
 

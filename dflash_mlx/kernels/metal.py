@@ -12,11 +12,15 @@ Each has a twin written with MLX ops, same signature and semantics.  Where Metal
 is available (and the default device is the GPU) a kernel proves itself at its
 first use per shape class (head counts, head dim, dtype, width and context
 buckets): it runs beside its twin on those real inputs, and it is used for that
-class only if it agrees within the dtype's tolerance and is faster; otherwise
-one log line (logger ``dflash_mlx.kernels``) says why and the twin runs.  A
-kernel that fails to compile or run is reported once and its twin runs for the
-rest of the process.  The decisions are kept beside the cost curves, per chip,
-MLX version and kernel sources, so a later process skips the timing.
+class only if each output agrees within its own dtype's tolerance and the kernel
+is at least 5% faster; otherwise one log line (logger ``dflash_mlx.kernels``)
+says why and the twin runs.  A kernel that fails to compile or run is reported
+once, with the compiler's first error, and its twin runs for the rest of the
+process.  The decisions are kept beside the cost curves, per chip, macOS, MLX
+version and kernel sources, so a later process skips the timing; a passing
+failure (memory, a GPU timeout) is not kept.  Every process still evaluates a
+proven kernel's first call of each class inside a `try`, so a kernel that stops
+compiling (a new Metal compiler) costs one log line, not the run.
 DFLASH_MLX_KERNELS=mlx forces the twins, =metal the kernels (unchecked).  A
 kernel call is described by a ``Launch`` (source, inputs, template, grid,
 outputs, and any MLX ops that finish its results), which is what both
@@ -26,6 +30,7 @@ mx.fast.metal_kernel and the C++ emulation in tests/ execute.
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -51,7 +56,10 @@ ATTENTION_SIMDGROUPS = 8
 # more than a Max chip has GPU cores (up to 40)
 ATTENTION_THREADGROUPS = 64
 SPLIT_KEYS = 256  # keys a split keeps at least: a short context stays one threadgroup per tile
-TAPE_SIMDGROUPS = 16  # a value head's rows over 512 threads (Qwen3.5 / Qwen3-Next: 128 rows, 8 each)
+# threads per threadgroup a kernel launches at most.  A compiled pipeline's real maximum
+# (maxTotalThreadsPerThreadgroup) falls below the device's 1024 when the kernel uses many registers,
+# and MLX does not expose it; 256 is what Metal guarantees any compute pipeline
+THREADGROUP_CEILING = 256
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 THREADGROUP_MEMORY = 32 * 1024  # bytes per threadgroup on Apple GPUs
 
@@ -84,6 +92,10 @@ def _say_once(message: str):
 
 
 def _metal_fits(name: str, head_dim: int, dtype: mx.Dtype) -> bool:
+    missing = missing_sources()
+    if missing:
+        _say_once(f"dflash-mlx: the Metal kernels' sources cannot be read ({missing}); the MLX twins run")
+        return False
     if head_dim % 32 == 0 and dtype in KERNEL_DTYPES:
         if name != "block_attention" or attention_tiling(head_dim, dtype) is not None:
             return True
@@ -122,6 +134,17 @@ def source(kernel: str) -> str:
 
 
 @cache
+def missing_sources() -> Optional[str]:
+    """Why the shipped kernel sources cannot be read (then the twins run), or None."""
+    try:
+        folder = shipped("metal")
+    except FileNotFoundError as e:
+        return str(e)
+    absent = [f"{kernel}.metal" for kernel in KERNELS if not (folder / f"{kernel}.metal").is_file()]
+    return f"{', '.join(absent)} not found in {folder}; reinstall the package" if absent else None
+
+
+@cache
 def _metal_dir() -> Path:
     try:
         return shipped("metal")
@@ -152,10 +175,20 @@ def run_metal(launch: Launch) -> list[mx.array]:
 # --------------------------------------------------------------- self-check
 
 KERNELS = ("block_attention", "gated_delta_tape")
-# max |kernel - twin| / max |twin| a kernel may show: the GPU's exp is not correctly rounded, and
-# a half-precision output rounds once more
-SELF_CHECK_TOLERANCE = {mx.float32: 1e-4, mx.float16: 2e-2, mx.bfloat16: 2e-2}
-SELF_CHECK_REPEATS = 5  # timed calls of each, after the warm-up call that also gave the outputs
+# max |kernel - twin| / max |twin| each output may show, by the output's own dtype: a float32 one
+# (the tape's state and delta, carried into every later token) 1e-4, as the GPU's exp is not
+# correctly rounded and sums run in another order; a half-precision one a few ulps of its largest
+# value, as kernel and twin each round it once
+FLOAT32_TOLERANCE = 1e-4
+HALF_PRECISION_ULPS = 3
+MANTISSA_BITS = {mx.float16: 10, mx.bfloat16: 7}
+SELF_CHECK_REPEATS = 5  # timed evaluations of each, interleaved, after the warm-up that gave the outputs
+# calls per timed evaluation: a lone call times mostly a command buffer's commit and wait, which
+# decoding shares among many ops
+CALLS_PER_TIMING = 8
+WINNING_SHARE = 0.95  # the kernel is chosen at no more than this share of its twin's time: a 5% win
+# errors that say nothing of the kernel (memory, a GPU timeout): not kept, the next process checks again
+PASSING_FAILURE = re.compile(r"out ?of ?memory|insufficient memory|unable to allocate|timed? ?out", re.IGNORECASE)
 SHORTEST_CONTEXT_CLASS = 256  # shorter contexts cost alike: one class
 # how loudly each verdict is logged: a kernel that disagrees or fails is a bug to report; a slower
 # one is the check doing its job
@@ -171,6 +204,7 @@ class Decision:
     max_error: Optional[float] = None
     kernel_ms: Optional[float] = None
     twin_ms: Optional[float] = None
+    passing: bool = False  # a failure that says nothing of the kernel: kept in memory only
 
     @property
     def use_kernel(self) -> bool:
@@ -193,41 +227,77 @@ def _evaluated(outputs) -> list[mx.array]:
     return outputs
 
 
-def _median_ms(run: Callable[[], list]) -> float:
-    times = []
+def tolerance(dtype: mx.Dtype) -> float:
+    """The largest max |kernel - twin| / max |twin| an output of `dtype` may show."""
+    if dtype in MANTISSA_BITS:
+        return HALF_PRECISION_ULPS * 2.0 ** -MANTISSA_BITS[dtype]
+    return FLOAT32_TOLERANCE
+
+
+def disagreement(names, got: list[mx.array], want: list[mx.array]) -> tuple[Optional[str], float]:
+    """(Why the kernel's outputs are refused, or None; their largest max rel. error.)  Each output
+    (`names`: the launch's, in order) is judged against its own dtype's tolerance."""
+    if len(got) != len(want):
+        return f"it returns {len(got)} outputs, the twin {len(want)}", math.inf
+    errors = []
+    for name, a, b in zip(names, got, want):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            theirs = f"{b.shape} {dtype_name(b.dtype)}"
+            return f"its {name} is {a.shape} {dtype_name(a.dtype)}, the twin's {theirs}", math.inf
+        error, allowed = relative_error(a, b), tolerance(b.dtype)
+        if not error <= allowed:  # a NaN disagrees too
+            why = f"its {name} ({dtype_name(b.dtype)}) disagrees with the twin (max rel. error {error:.1e} > {allowed:.1e})"
+            return why, error
+        errors.append(error)
+    return None, max(errors, default=0.0)
+
+
+def _interleaved_ms(kernel: Callable[[], list], twin: Callable[[], list]) -> tuple[float, float]:
+    """Median ms per call of the kernel and of its twin: CALLS_PER_TIMING calls per evaluation,
+    the two timed in turn so that a change in the machine's load weighs on both."""
+    times = {kernel: [], twin: []}
     for _ in range(SELF_CHECK_REPEATS):
-        tic = time.perf_counter()
-        mx.eval(run())
-        times.append(time.perf_counter() - tic)
-    return 1e3 * statistics.median(times)
+        for run, taken in times.items():
+            tic = time.perf_counter()
+            mx.eval([run() for _ in range(CALLS_PER_TIMING)])
+            taken.append((time.perf_counter() - tic) / CALLS_PER_TIMING)
+    return tuple(1e3 * statistics.median(taken) for taken in times.values())
 
 
 def one_line(error: BaseException) -> str:
-    text = (str(error).strip().splitlines() or [""])[0]
+    """The error in one line: its first, and where diagnostics follow it (MLX's Metal compile
+    error starts "Unable to build metal library from source"), the first `error:` among them."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    diagnostic = next((line for line in lines[1:] if "error:" in line), None)
+    if diagnostic:
+        text = f"{text}: {diagnostic}"
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def prove(launch: Launch, twin: Callable[[], list], dtype: mx.Dtype) -> tuple[Decision, list[mx.array]]:
-    """Run the kernel and its twin on the same (real) inputs: the kernel is chosen if it agrees
-    within the dtype's tolerance and is faster.  Returns the decision and the chosen outputs
-    (the twin's unless the kernel won)."""
+def failure(error: BaseException) -> Decision:
+    """The decision a kernel's error makes: failed, for good unless the error says nothing of it."""
+    passing = isinstance(error, MemoryError) or bool(PASSING_FAILURE.search(str(error)))
+    return Decision("failed", f"the kernel failed ({one_line(error)})", passing=passing)
+
+
+def prove(launch: Launch, twin: Callable[[], list]) -> tuple[Decision, list[mx.array]]:
+    """Run the kernel and its twin on the same (real) inputs: the kernel is chosen if each output
+    agrees within its dtype's tolerance and the kernel is at least 5% faster.  Returns the
+    decision and the chosen outputs (the twin's unless the kernel won)."""
     mx.eval([x for x in launch.inputs.values() if isinstance(x, mx.array)])  # neither times their graph
     want = _evaluated(twin())  # also the twin's warm-up
     try:
         got = _evaluated(run_metal(launch))  # compiles the kernel: also its warm-up
-        error = max(relative_error(a, b) for a, b in zip(got, want))
-        tolerance = SELF_CHECK_TOLERANCE[dtype]
-        if not error <= tolerance:  # a NaN disagrees too
-            return Decision(
-                "disagrees", f"it disagrees with the twin (max rel. error {error:.1e} > {tolerance:.0e})", error
-            ), want
-        kernel_ms = _median_ms(lambda: run_metal(launch))
+        why, error = disagreement(launch.outputs, got, want)
+        if why:
+            return Decision("disagrees", why, error), want
+        kernel_ms, twin_ms = _interleaved_ms(lambda: run_metal(launch), twin)
     except Exception as e:  # a compile or run error of the kernel: the twin's outputs stand
-        return Decision("failed", f"the kernel failed ({one_line(e)})"), want
-    twin_ms = _median_ms(twin)
-    timing = f"{kernel_ms:.3f} ms vs {twin_ms:.3f} ms for the twin"
-    if kernel_ms >= twin_ms:
-        return Decision("slower", f"it is slower ({timing})", error, kernel_ms, twin_ms), want
+        return failure(e), want
+    timing = f"{kernel_ms:.3f} ms vs {twin_ms:.3f} ms for the twin, {CALLS_PER_TIMING} calls an evaluation"
+    if kernel_ms > WINNING_SHARE * twin_ms:
+        return Decision("slower", f"it is not 5% faster ({timing})", error, kernel_ms, twin_ms), want
     return Decision(
         "faster", f"it agrees (max rel. error {error:.1e}) and is faster ({timing})", error, kernel_ms, twin_ms
     ), got
@@ -253,29 +323,40 @@ def chip_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@cache
+def os_version() -> str:
+    """The OS release; on a Mac the macOS version, whose Metal compiler builds the kernels."""
+    if sys.platform == "darwin":
+        return f"macOS{platform.mac_ver()[0]}"
+    return f"{platform.system()}{platform.release()}"
+
+
 def sources_hash() -> str:
     """Changes with any kernel body or with this file (the launches' geometry lives here)."""
     digest = hashlib.sha256(Path(__file__).read_bytes())
-    for kernel in KERNELS:
+    for kernel in KERNELS if not missing_sources() else ():
         digest.update(source(kernel).encode())
     return digest.hexdigest()[:12]
 
 
 def decisions_path() -> Path:
     """Beside the cost curves (decode/costs.py keeps them in <cache>/costs): one file per chip,
-    MLX version and kernel sources, as a decision holds for exactly those."""
-    name = re.sub(r"[^\w.-]+", "_", f"kernels-{chip_name()}-mlx{mx.__version__}-{sources_hash()}")
+    OS (the Metal compiler), MLX version and kernel sources, as a decision holds for exactly those."""
+    key = f"kernels-{chip_name()}-{os_version()}-mlx{mx.__version__}-{sources_hash()}"
+    name = re.sub(r"[^\w.-]+", "_", key)
     return cache_dir() / "costs" / f"{name}.json"
 
 
 class KernelChoices:
     """The self-check's decision per (kernel, shape class), in memory and in a JSON file, so a
-    later process skips the timing; and the kernels that failed in this process."""
+    later process skips the timing; the kernels that failed in this process; and the classes whose
+    kernel has run in it (a proven kernel's first call in a process is evaluated in a `try`)."""
 
     def __init__(self, path: Optional[Path] = None):
         self._path = path
         self._decided: Optional[dict[str, dict[str, Decision]]] = None
         self.failed: dict[str, str] = {}  # kernel -> why: its twin runs for the rest of the process
+        self.ran: set[tuple[str, str]] = set()  # (kernel, shape class) evaluated in this process
 
     @property
     def path(self) -> Path:
@@ -293,9 +374,11 @@ class KernelChoices:
 
     def record(self, kernel: str, shape_class: str, decision: Decision) -> None:
         self.decided().setdefault(kernel, {})[shape_class] = decision
+        if decision.passing:
+            return  # in memory only: the next process checks again
         on_disk = self._read()  # another process may have added classes since
         for name, classes in self.decided().items():
-            on_disk.setdefault(name, {}).update(classes)
+            on_disk.setdefault(name, {}).update({c: d for c, d in classes.items() if not d.passing})
         stored = {name: {c: asdict(d) for c, d in classes.items()} for name, classes in on_disk.items()}
         try:
             atomic_write(self.path, json.dumps({"decisions": stored}, indent=1))
@@ -316,7 +399,7 @@ class KernelChoices:
 choices = KernelChoices()
 
 
-def dispatch(kernel: str, shape_class: str, launch: Launch, twin: Callable[[], list], dtype: mx.Dtype) -> list:
+def dispatch(kernel: str, shape_class: str, launch: Launch, twin: Callable[[], list]) -> list:
     """The kernel's outputs where it has proven itself on this shape class, else the twin's."""
     if forced_metal():
         return run_metal(launch)
@@ -324,22 +407,37 @@ def dispatch(kernel: str, shape_class: str, launch: Launch, twin: Callable[[], l
         return twin()
     decision = choices.get(kernel, shape_class)
     if decision is None:
-        decision, outputs = prove(launch, twin, dtype)
+        decision, outputs = prove(launch, twin)
         choices.record(kernel, shape_class, decision)
+        if decision.use_kernel:
+            choices.ran.add((kernel, shape_class))
         _report(kernel, shape_class, decision)
         return outputs
     if not decision.use_kernel:
         return twin()
     try:
-        return run_metal(launch)
-    except Exception as e:  # proven before, failing now: its twin for the rest of the process
-        decision = Decision("failed", f"the kernel failed ({one_line(e)})")
+        outputs = run_metal(launch)
+        if (kernel, shape_class) not in choices.ran:
+            # proven, maybe by an earlier process under another Metal compiler: this process's first
+            # call of the class is compiled and run here, where an error can still hand over to the
+            # twin (later calls are evaluated with the rest of the step)
+            outputs = _evaluated(outputs)
+            choices.ran.add((kernel, shape_class))
+        return outputs
+    except Exception as e:
+        decision = failure(e)
         choices.record(kernel, shape_class, decision)
         _report(kernel, shape_class, decision)
         return twin()
 
 
 def _report(kernel: str, shape_class: str, decision: Decision) -> None:
+    if decision.passing:
+        logger.warning(
+            f"dflash-mlx: {kernel} [{shape_class}]: the MLX twin runs in this process (the next one checks "
+            f"again): {decision.reason}"
+        )
+        return
     if decision.verdict == "failed":
         choices.failed[kernel] = decision.reason
         logger.warning(f"dflash-mlx: {kernel}: the MLX twin runs for the rest of this process: {decision.reason}")
@@ -358,6 +456,8 @@ def kernel_plan() -> dict[str, str]:
         return {kernel: "the MLX twin: DFLASH_MLX_KERNELS=mlx" for kernel in KERNELS}
     if not metal:
         return {kernel: "the MLX twin: no Metal here (needs a Mac GPU as MLX's default device)" for kernel in KERNELS}
+    if missing_sources():
+        return {kernel: f"the MLX twin: the kernel sources cannot be read ({missing_sources()})" for kernel in KERNELS}
     if forced_metal():
         return {kernel: "the Metal kernel, unchecked: DFLASH_MLX_KERNELS=metal" for kernel in KERNELS}
     return {kernel: _checked_plan(kernel) for kernel in KERNELS}
@@ -373,6 +473,9 @@ def _checked_plan(kernel: str) -> str:
         if decided
         else "none decided yet"
     )
+    refused = [d.reason for d in decided if d.verdict in ("failed", "disagrees")]
+    if refused:
+        summary += f"; refused: {refused[-1]}"
     return f"the Metal kernel where it proves itself against its twin, per shape class ({summary})"
 
 
@@ -422,7 +525,7 @@ def block_attention(
         return twin()[0]
     launch = block_attention_launch(queries, keys, values, context, scale=scale, causal=causal, window=window)
     shape_class = attention_class(queries, keys, context, causal, window)
-    return dispatch("block_attention", shape_class, launch, twin, queries.dtype)[0]
+    return dispatch("block_attention", shape_class, launch, twin)[0]
 
 
 def attention_class(queries, keys, context: Optional[ContextSpan], causal: bool, window: Optional[int]) -> str:
@@ -593,7 +696,7 @@ def gated_delta_tape(q, k, v, g, beta, state: Optional[mx.array]) -> tuple[mx.ar
     if not (use_metal() and _metal_fits("gated_delta_tape", k.shape[-1], q.dtype)):
         return twin()
     launch = gated_delta_tape_launch(q, k, v, g, beta, state)
-    return tuple(dispatch("gated_delta_tape", tape_class(q, k, v), launch, twin, q.dtype))
+    return tuple(dispatch("gated_delta_tape", tape_class(q, k, v), launch, twin))
 
 
 def tape_class(q, k, v) -> str:
@@ -628,7 +731,7 @@ def gated_delta_tape_mlx(q, k, v, g, beta, state):
 def gated_delta_tape_launch(q, k, v, g, beta, state) -> Launch:
     B, T, HK, DK = k.shape
     HV, DV = v.shape[2:]
-    simdgroups = min(DV, TAPE_SIMDGROUPS)  # one threadgroup per value head
+    simdgroups = min(DV, THREADGROUP_CEILING // 32)  # one threadgroup per value head
     return Launch(
         kernel="gated_delta_tape",
         inputs=dict(
