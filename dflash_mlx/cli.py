@@ -784,12 +784,19 @@ def convert_draft(
 @convert_app.command("target")
 @user_errors
 def convert_target(
-    source: str = typer.Argument(..., help="HF repo id / dir, or a .gguf file (llama, qwen2, qwen3)."),
+    source: str = typer.Argument(..., help="HF repo id / dir, or a .gguf file (llama, qwen2, qwen3, gemma3)."),
     out: str = typer.Argument(..., help="Output mlx-lm model dir."),
-    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Quantize an HF target to 4 or 8 bits (mlx-lm)."),
+    q_bits: Optional[int] = typer.Option(
+        None,
+        "--q-bits",
+        help="Quantize to 4 or 8 bits (mlx-lm): an HF target, or a GGUF that MLX cannot keep quantized.",
+    ),
     q_group_size: int = typer.Option(64, "--q-group-size"),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="HF: float16/bfloat16/float32. GGUF: native (keep Q4/Q8) or a float dtype."
+        None,
+        "--dtype",
+        help="HF: float16/bfloat16/float32. GGUF: native (keep Q4_0/Q4_1/Q8_0) or a float dtype "
+        "(default: native where MLX keeps the file's types, else float32).",
     ),
     force: bool = typer.Option(False, "--force"),
     dry_run: bool = typer.Option(False, "--dry-run"),

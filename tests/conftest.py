@@ -43,6 +43,14 @@ def smollm2(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma 3 270M (base), float32, converted into the user's cache on first use."""
+    from dflash_mlx.convert.gemma3 import gemma3_path
+
+    return gemma3_path("float32", show_progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """A tiny llama model dir (tokenizer and chat template included) and a drafter for it."""
     from dflash_mlx import load

@@ -79,11 +79,11 @@ def tiny_hf_model(arch: str, vocab_size: int, seed: int = 0):
     return model, config
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, names: dict = HF_TO_GGUF) -> str:
     if hf_name.startswith("model.layers."):
         _, _, layer, *rest = hf_name.split(".")
         module, suffix = ".".join(rest[:-1]), rest[-1]
-        return f"blk.{layer}.{HF_TO_GGUF[module]}.{suffix}"
+        return f"blk.{layer}.{names[module]}.{suffix}"
     return {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -144,3 +144,101 @@ def _merges(tok: ByteLevelBPETokenizer) -> list[str]:
 
     merges = json.loads(tok._tokenizer.to_str())["model"]["merges"]
     return [m if isinstance(m, str) else " ".join(m) for m in merges]
+
+
+# llama.cpp's gemma3 names where they differ from llama's, and its SentencePiece token types
+GEMMA3_TO_GGUF = {
+    **HF_TO_GGUF,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+SPM_NORMAL, SPM_CONTROL, SPM_USER_DEFINED, SPM_BYTE = 1, 3, 4, 6
+GEMMA3_PIECES = ["▁", "▁▁", "▁▁▁▁", "he", "ll", "hell", "hello", "▁w", "or", "▁wor", "ld", "▁world", "de", "def", "▁f"]
+
+
+def gemma3_vocab() -> tuple[list[str], list[int]]:
+    """A tiny Gemma-shaped SentencePiece vocabulary: specials, a user-defined newline, pieces
+    (spaces spelled as llama.cpp stores Gemma's: real spaces), the ASCII letters, byte fallback."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    pieces = [p.replace("▁", " ") if not p.strip("▁") else p for p in GEMMA3_PIECES]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("():.,+=0123456789")
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tokens = specials + ["\n"] + pieces + letters + bytes_
+    types = (
+        [SPM_CONTROL] * len(specials)
+        + [SPM_USER_DEFINED]
+        + [SPM_NORMAL] * (len(pieces) + len(letters))
+        + [SPM_BYTE] * len(bytes_)
+    )
+    return tokens, types
+
+
+def write_gemma3_gguf(path: Path, qtype: str = "F32", seed: int = 0):
+    """A tiny gemma3 GGUF written as llama.cpp's converter writes one (norms stored as 1 + w, no
+    q/k permutation, SentencePiece vocabulary without merges); returns (source model, config)."""
+    from mlx_lm.utils import _get_classes
+
+    tokens, types = gemma3_vocab()
+    config = dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=6,  # the sixth is the global one
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        sliding_window=8,
+        sliding_window_pattern=6,
+        vocab_size=len(tokens),
+        max_position_embeddings=4096,
+    )
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.sanitize({})  # no lm_head: tied, as Gemma's
+    model.update(tree_map(lambda p: p + 0.1 * mx.random.normal(p.shape), model.parameters()))
+    mx.eval(model.parameters())
+
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    for name, w in tree_flatten(model.parameters()):
+        w = np.array(w, dtype=np.float32)
+        if name.endswith("norm.weight"):
+            w = w + 1.0
+        kind = gguf.GGMLQuantizationType[qtype if w.ndim == 2 else "F32"]
+        gguf_name = _gguf_name(name, GEMMA3_TO_GGUF)
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, w)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, config

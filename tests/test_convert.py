@@ -142,7 +142,7 @@ def test_targets_convert_load_and_decode_losslessly(tmp_path):
             for t in s.tokens
         ]
         assert out == reference
-    with pytest.raises(ValueError, match="--q-bits is for HF"):
+    with pytest.raises(ValueError, match="--q-bits is for float files"):
         convert_target(str(tmp_path / "m.gguf"), tmp_path / "x", q_bits=4, show_progress=False)
     with pytest.raises(FileExistsError):
         convert_target(str(dense), tmp_path / "q4", q_bits=4, show_progress=False)

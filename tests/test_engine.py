@@ -32,6 +32,7 @@ MODEL_TYPES = [
     "qwen3_5_moe",
     "qwen3_next",
     "gpt_oss",
+    "gemma3_text",
     "gemma4_text",
     "gemma4",
     "deepseek_v3",

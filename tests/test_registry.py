@@ -59,6 +59,29 @@ def test_default_model_says_when_it_has_no_drafter(monkeypatch, tmp_path, smollm
     assert registry.resolve(None).draft == str(tmp_path)
 
 
+def test_gemma3_short_name_converts_its_variant_on_first_use(monkeypatch, tmp_path):
+    asked = []
+    monkeypatch.setattr(registry, "gemma3_path", lambda variant=None: asked.append(variant) or tmp_path / str(variant))
+    monkeypatch.setattr(registry, "GEMMA3_DRAFT", tmp_path / "absent")
+    pair = registry.resolve("gemma-3-270m")
+    assert pair.target == str(tmp_path / "None") and pair.draft is None and "no trained drafter" in pair.draft_note
+    assert registry.resolve("gemma-3-270m", quant=8).target == str(tmp_path / "q8")
+    assert registry.resolve("gemma-3-270m", quant=4, draft="/d").draft == "/d"
+    assert asked == [None, "q8", "q4"]
+    monkeypatch.setattr(registry, "GEMMA3_DRAFT", tmp_path)
+    assert registry.resolve("gemma-3-270m").draft == str(tmp_path)
+    assert "gemma-3-270m" in registry.known_names()
+
+
+def test_offline_models_refuse_unknown_variants_in_one_line():
+    from dflash_mlx.convert.gemma3 import gemma3_path
+
+    with pytest.raises(ValueError, match="MLX cannot keep quantized: use --quant 8 or 4"):
+        gemma3_path("native")
+    with pytest.raises(ValueError, match="unknown variant 'int3' of gemma-3-270m"):
+        gemma3_path("int3")
+
+
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     assert cache_dir() == tmp_path

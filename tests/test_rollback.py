@@ -63,7 +63,7 @@ def test_rollback_to_every_keep_matches_a_fresh_cache(window, context, next_toke
         )
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text"])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "gemma4_text"])
 def test_sliding_targets_measure_costs_beyond_their_window(family):
     """The cost measurement verifies widths 1..16 on a 128-token context and rolls each back
     entirely: with a window of 8 this once failed with 'Negative dimensions not allowed'."""

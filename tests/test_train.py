@@ -8,6 +8,7 @@ from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
@@ -37,6 +38,22 @@ def test_stratified_layer_ids_match_z_lab():
     assert stratified_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert stratified_layer_ids(30, 5) == [1, 8, 14, 20, 27]
     assert stratified_layer_ids(4, 1) == [2]
+
+
+def test_new_drafter_starts_from_target_layers_that_fit():
+    """Projections are copied at the target's head size; a norm only where it computes what the
+    drafter's does (Gemma's scale by 1 + w would be read as w)."""
+    for family, copied_norm in (("llama", True), ("gemma3_text", False)):
+        target = tiny_target(family, seed=3)
+        target.model.update(tree_map(lambda p: p + 0.5 if p.ndim == 1 else p, target.model.parameters()))
+        draft = new_drafter(target, TrainConfig(block_size=4, num_layers=1, num_target_layers=2), MASK)
+        source, layer = target.layers[-1], draft.layers[0]
+        assert layer.self_attn.q_proj.weight.shape == source.self_attn.q_proj.weight.shape
+        assert mx.array_equal(layer.self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+        norm_copied = mx.array_equal(layer.input_layernorm.weight, source.input_layernorm.weight).item()
+        assert norm_copied == copied_norm, family
+        if not copied_norm:
+            assert mx.all(layer.input_layernorm.weight == 1).item()
 
 
 def make_examples(rng, n=3):

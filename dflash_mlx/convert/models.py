@@ -117,18 +117,19 @@ def convert_target(
     if is_gguf:
         from .gguf import DTYPES
 
-        gguf_dtype = dtype or "native"
-        if gguf_dtype not in DTYPES:
+        if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"GGUF --dtype must be one of {', '.join(DTYPES)}")
-        if q_bits:
-            raise ValueError(
-                "GGUF targets keep their own quantization (--dtype native) or are dequantized; "
-                "re-quantizing GGUF weights degrades them, so --q-bits is for HF sources"
-            )
+        if q_bits and dtype == "native":
+            raise ValueError("--q-bits quantizes dequantized GGUF weights: not with --dtype native")
+        what = (
+            f"{q_bits}-bit (mlx-lm, group 64) from the dequantized weights"
+            if q_bits
+            else dtype or "native where MLX keeps the file's quantization, else float32"
+        )
         plan = Plan(
             source,
             out,
-            [f"GGUF -> mlx-lm dir ({gguf_dtype}); tokenizer.json and chat template rebuilt from the GGUF metadata"],
+            [f"GGUF -> mlx-lm dir ({what}); tokenizer.json and chat template rebuilt from the GGUF metadata"],
         )
     else:
         plan = Plan(
@@ -146,7 +147,7 @@ def convert_target(
     if is_gguf:
         from .gguf import convert_gguf
 
-        return convert_gguf(source, out, dtype=gguf_dtype, force=force, show_progress=show_progress)
+        return convert_gguf(source, out, dtype=dtype, q_bits=q_bits, force=force, show_progress=show_progress)
 
     import mlx_lm
 

@@ -53,7 +53,7 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
-        head_dim=target.hidden_size // n_heads,
+        head_dim=getattr(attn, "head_dim", target.hidden_size // n_heads),
         intermediate_size=target.layers[0].mlp.gate_proj.weight.shape[0],
         vocab_size=target.vocab_size,
         target_layer_ids=cfg.target_layer_ids or stratified_layer_ids(target.num_layers, cfg.num_target_layers),
@@ -70,15 +70,22 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> DFlashD
     if cfg.init_from_target:
         # deepest target layers: they already map hidden states towards the output space
         for layer, source in zip(draft.layers, target.layers[-cfg.num_layers :]):
+            # names as mlx-lm's (the target wrapper's fused modules hold them as `.inner`); a norm
+            # only when it computes what the drafter's does (Gemma's scales by 1 + w)
+            plain_norms = {_unwrapped(n) for n, m in source.named_modules() if isinstance(m, nn.RMSNorm)}
             weights = {
                 k: v
-                for k, v in tree_flatten(source.parameters())
+                for k, v in ((_unwrapped(k), v) for k, v in tree_flatten(source.parameters()))
                 if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-                or k.endswith("layernorm.weight")
+                or (k.endswith("layernorm.weight") and k[: -len(".weight")] in plain_norms)
             }
             layer.load_weights(list(weights.items()), strict=False)
     mx.eval(draft.parameters())
     return draft.bind(target)
+
+
+def _unwrapped(name: str) -> str:
+    return name.replace(".inner", "")
 
 
 def to_dflash2(draft: DFlashDraftModel, cfg: TrainConfig) -> DFlashDraftModel:
