@@ -74,7 +74,11 @@ SERVED_MODEL = typer.Option(
     None, "--model", "-m", help="Short name, HF repo or local dir (default: offline SmolLM2-135M-Instruct)."
 )
 SERVED_DRAFT = typer.Option(None, "--draft", help="Drafter HF repo or local dir.")
-SERVED_QUANT = typer.Option(None, "--quant", help="The mlx-community 4- or 8-bit target of a short name.")
+QUANT_HELP = (
+    "A short name's target: 16 as published (bf16), 8 or 4 mlx-community's conversion. "
+    "Default: 8-bit where it fits this machine, else 4-bit (dflash-mlx doctor -m NAME says which and why)."
+)
+SERVED_QUANT = typer.Option(None, "--quant", help=QUANT_HELP)
 SERVED_PLAIN = typer.Option(False, "--no-draft", help="Serve plain target decoding.")
 SERVED_FULL_BLOCKS = typer.Option(False, "--no-adaptive", help="Always verify full blocks.")
 
@@ -122,9 +126,7 @@ def generate(
     draft: Optional[str] = typer.Option(
         None, "--draft", help="Drafter HF repo or local dir (default: the model's published drafter)."
     ),
-    quant: Optional[int] = typer.Option(
-        None, "--quant", help="Use the mlx-community 4- or 8-bit target of a short name."
-    ),
+    quant: Optional[int] = typer.Option(None, "--quant", help=QUANT_HELP),
     draft_quant: Optional[int] = DRAFT_QUANT,
     max_tokens: int = typer.Option(256, "--max-tokens", help="Maximum tokens to generate."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
@@ -153,8 +155,8 @@ def generate(
     prompt = read_prompt(prompt)
     if max_tokens <= 0:
         fail(f"--max-tokens must be > 0, got {max_tokens}")
-    if quant not in (None, 4, 8):
-        fail(f"--quant must be 4 or 8, got {quant}")
+    if quant not in (None, 16, 8, 4):
+        fail(f"--quant must be 16 (bf16), 8 or 4, got {quant}")
     check_draft_quant(draft_quant)
     if block_size is not None and block_size < 1:
         fail(f"--block-size must be >= 1, got {block_size}")
@@ -354,8 +356,8 @@ def _start_logging(serving, log_level: str) -> None:
 
 def _check_serve_flags(options, quant: Optional[int], port: int, drain_seconds: float) -> None:
     """The serve flags' values checked before the model loads (its errors name the flags)."""
-    if quant not in (None, 4, 8):
-        fail(f"--quant must be 4 or 8, got {quant}")
+    if quant not in (None, 16, 8, 4):
+        fail(f"--quant must be 16 (bf16), 8 or 4, got {quant}")
     if (
         options.max_queue < 1
         or options.max_batch < 1
@@ -814,9 +816,7 @@ def doctor(
     model: Optional[str] = typer.Option(
         None, "--model", "-m", help="Also say what loading this model would take (offline: nothing is downloaded)."
     ),
-    quant: Optional[int] = typer.Option(
-        None, "--quant", help="With a short name: its mlx-community 4- or 8-bit target."
-    ),
+    quant: Optional[int] = typer.Option(None, "--quant", help=QUANT_HELP),
     draft_quant: Optional[int] = DRAFT_QUANT,
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ):

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx.api import doctor, registry
+from dflash_mlx.kernels import metal
 from dflash_mlx.cli import app
 
 runner = CliRunner()
@@ -131,10 +132,26 @@ def test_a_short_name_is_judged_as_load_judges_it_offline(offline, monkeypatch):
     assert plan["quant"] == "4-bit" and plan["fits"] == "yes" and plan["usable_gib"] == pytest.approx(10.67)
     need = registry.footprint("Qwen3.5-9B", 4, plan["draft"], registry.BATCH_CAP_TOKENS)
     assert plan["footprint_gib"] == round(need.total / GIB, 2) and plan["target_gib"] == round(need.weights / GIB, 2)
-    assert "loading the 4-bit variant" in plan["why"] and "the most precise that fits" in plan["why"]
+    assert "loading the 4-bit variant" in plan["why"] and "the only variant that fits" in plan["why"]
+    assert "bf16 would need" in plan["why"] and "8-bit would need" in plan["why"]
     text = runner.invoke(app, ["doctor", "--model", "Qwen3.5-9B"]).output
     for item in ("  target: ", "  draft: ", "  quant: ", "  footprint: ", "  why: ", "  cost curve: "):
         assert item in text, item
+
+
+def test_a_big_mac_is_told_why_it_gets_8_bits_and_how_to_get_bf16(offline, monkeypatch):
+    monkeypatch.setattr(registry, "device_memory", lambda: (64 * GIB, 48 * GIB))
+    plan = doctor.model_plan("Qwen3.5-9B", None)
+    assert plan["target"] == "mlx-community/Qwen3.5-9B-8bit" and plan["quant"] == "8-bit"
+    assert "the default where it fits (a decode step reads half of bf16's bytes" in plan["why"]
+    assert "bf16 would need ~21.3 GiB" in plan["why"] and "--quant 16 (bf16), 8 or 4 chooses" in plan["why"]
+    asked = doctor.model_plan("Qwen3.5-9B", 16)
+    assert asked["target"] == "Qwen/Qwen3.5-9B" and asked["quant"] == "bf16" and asked["fits"] == "yes"
+
+
+def test_the_kernel_self_check_key_names_the_os(offline):
+    facts = doctor.report()["kernels"]
+    assert metal.os_version() in facts["self_check_key"] and metal.os_version() in facts["self_check_file"]
 
 
 def test_a_variant_asked_for_or_none_that_fits_is_said_not_to_fit(offline, monkeypatch):

@@ -1,5 +1,6 @@
-"""What the first run decides from the machine it runs on: which variant of a published model fits
-its memory (chosen before any download, said in one line, refused with the numbers), and the key
+"""What the first run decides from the machine it runs on: which variant of a published model it
+loads (8-bit where it fits, else 4-bit; chosen before any download, said in one line with why,
+refused with the numbers), and the key
 of its measured cost curve (chip, MLX version, kernels, dtype), timed at two contexts."""
 
 import ast
@@ -41,16 +42,45 @@ def machine(monkeypatch, total: int, recommended=None) -> None:
     monkeypatch.setattr(registry, "device_memory", lambda: (total, recommended))
 
 
-@pytest.mark.parametrize("gb, quant", [(16, 4), (24, 8), (64, None)])
-def test_a_short_name_loads_the_most_precise_variant_that_fits(monkeypatch, offline, capsys, gb, quant):
+@pytest.mark.parametrize(
+    "gb, quant, why",
+    [(16, 4, "the only variant that fits"), (24, 8, "the default where it fits"), (64, 8, "the default where it fits")],
+)
+def test_a_short_name_loads_the_8bit_variant_where_it_fits(monkeypatch, offline, capsys, gb, quant, why):
+    """8-bit even where bf16 fits (64 GB): a decode step reads every weight, and 8 bits are half
+    of bf16's; 4-bit where only that fits; the load line says which, why, and what bf16 needs."""
     machine(monkeypatch, *mac(gb))
     with pytest.raises(RuntimeError, match="no downloads"):
         loading.load("Qwen3.5-9B")
-    assert offline == [registry.resolve("Qwen3.5-9B", quant=quant).target]  # the first download is the choice
+    assert offline == [f"mlx-community/Qwen3.5-9B-{quant}bit"]  # the first download is the choice
     said = " ".join(capsys.readouterr().err.split())
-    variant = f"{quant}-bit" if quant else "bf16"
-    assert f"loading the {variant} variant" in said and "the most precise that fits" in said
+    assert f"loading the {quant}-bit variant (mlx-community/Qwen3.5-9B-{quant}bit), {why}" in said
     assert f"of {mac(gb)[1] / GIB:.1f} GiB available (the GPU's recommended working set" in said
+    assert "bf16 would need ~21.3 GiB" in said and said.endswith("--quant 16 (bf16), 8 or 4 chooses")
+    if quant == 4:
+        assert "8-bit would need ~13.4 GiB" in said
+
+
+def test_quant_16_loads_the_weights_as_published(monkeypatch, offline, capsys):
+    machine(monkeypatch, *mac(64))
+    with pytest.raises(RuntimeError, match="no downloads"):
+        loading.load("Qwen3.5-9B", quant=16)
+    assert offline == ["Qwen/Qwen3.5-9B"] and "note:" not in capsys.readouterr().err
+    machine(monkeypatch, *mac(16))
+    assert registry.fit_note("Qwen3.5-9B", 16, "z-lab/Qwen3.5-9B-DFlash").endswith("--quant 4 would fit")
+    with pytest.raises(ValueError, match="quant must be 16, 8 or 4, got 2"):
+        registry.resolve("Qwen3.5-9B", quant=2)
+
+
+def test_a_pair_published_below_8_bits_loads_as_published(monkeypatch, offline):
+    """gpt-oss ships MXFP4 experts (~5.3 bits a weight): smaller than the 8-bit conversion, as precise."""
+    machine(monkeypatch, *mac(64))
+    choice = registry.fitting_variant("gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash")
+    assert (
+        choice.quant == 16
+        and "loading the published ~5.3-bit variant (openai/gpt-oss-20b), as published" in choice.reason
+    )
+    assert choice.reason.endswith("--quant 16 (published ~5.3-bit), 8 or 4 chooses")
 
 
 def test_a_machine_too_small_is_refused_with_the_numbers(monkeypatch, offline):

@@ -37,7 +37,7 @@ def test_unknown_names_and_paths_are_explained():
         registry.resolve("Qwen9-1B")
     with pytest.raises(FileNotFoundError, match="no model directory at ./nowhere"):
         registry.resolve("./nowhere")
-    with pytest.raises(ValueError, match="quant must be 4 or 8"):
+    with pytest.raises(ValueError, match="quant must be 16, 8 or 4"):
         registry.resolve("Qwen3-4B", quant=3)
     with pytest.raises(ValueError, match="short names only"):
         registry.resolve("someone/model", quant=4)

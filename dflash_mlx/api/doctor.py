@@ -109,6 +109,10 @@ def kernels() -> dict:
     plan = metal.kernel_plan()
     path = metal.decisions_path()
     plan["self_check_file"] = f"{path} ({'present' if path.is_file() else 'not written yet'})"
+    plan["self_check_key"] = (
+        f"{metal.chip_name()}, {metal.os_version()}, MLX {mx.__version__}, kernel sources {metal.sources_hash()}: "
+        "the kernels are checked again when any of them changes"
+    )
     if fusing():
         plan["norms_and_rope"] = "compiled per module (fused_ops.py): MLX's CPU forms are many small ops"
         plan["matmul_weights"] = "stored column-major, for BLAS's faster NN kernel (fused_ops.py)"
@@ -171,8 +175,8 @@ def model_plan(model: str, quant: Optional[int], draft_quant: Optional[int] = No
 
 
 def _published_plan(name: str, quant: Optional[int], draft_quant: Optional[int]) -> dict:
-    """A published pair, as `load` judges it: without `quant`, the most precise variant that fits
-    (registry.fitting_variant); with one, that variant whatever it needs; the drafter at the
+    """A published pair, as `load` judges it: without `quant`, its 8-bit variant where it fits, else
+    its 4-bit one (registry.fitting_variant); with one, that variant whatever it needs; the drafter at the
     precision `draft_quant` would load it at."""
     pair = PUBLISHED[name]
     budget = registry.memory_budget()
@@ -205,7 +209,7 @@ def _published_plan(name: str, quant: Optional[int], draft_quant: Optional[int])
 def _default_target(quant: Optional[int]) -> tuple[str, Optional[int], Optional[str], str]:
     """The offline default, as convert/smollm2.py names its converted dir (not converted here):
     (target dir, its weights' bytes, the shipped drafter, its quantization)."""
-    dtype = "native" if quant == 4 else ("bfloat16" if mx.metal.is_available() else "float32")
+    dtype = {4: "native", 16: "bfloat16"}.get(quant) or ("bfloat16" if mx.metal.is_available() else "float32")
     folder = cache_dir() / "models" / f"{DEFAULT_MODEL}-{dtype}"
     size = registry.stored_weight_bytes(str(folder))
     if size is None:

@@ -63,10 +63,10 @@ def load(
     expanded to float, as they are for an asked 8 or 4 after quantizing (its drafts, float's
     speed).  The output never depends on it: the target verifies every draft.
 
-    A short name without `quant` loads the most precise variant (bf16, 8-bit, 4-bit) whose
-    weights, drafter and KV caches of `batch_tokens` context tokens (default: the server's batch
-    cap) fit this machine, and says which and why; when none fits, a ValueError says what each
-    needs and what is available (registry.fitting_variant).
+    A short name without `quant` loads its 8-bit variant where its weights, drafter and KV caches
+    of `batch_tokens` context tokens (default: the server's batch cap) fit this machine, else its
+    4-bit one, and says which and why; when none fits, a ValueError says what each needs and what
+    is available (registry.fitting_variant).  `quant=16` loads the weights as published (bf16).
     """
     from .registry import resolve  # pulls in the GGUF converter; not needed to decode
 
@@ -156,9 +156,9 @@ def _fitting_quant(
     counted at the precision `draft_quant` loads it at), said in one line (a ValueError when none
     does); an asked-for quant that does not fit is kept, with a note.  Not over pipeline ranks:
     each would judge its own machine, and all must load the same weights."""
-    from .registry import BATCH_CAP_TOKENS, PUBLISHED, QUANT_BITS, fit_note, fitting_variant, planned_draft_precision
+    from .registry import BATCH_CAP_TOKENS, PUBLISHED, VARIANTS, fit_note, fitting_variant, planned_draft_precision
 
-    if model not in PUBLISHED or distributed is not None or quant not in (None, *QUANT_BITS):
+    if model not in PUBLISHED or distributed is not None or quant not in (None, *VARIANTS):
         return quant  # (resolve refuses a quant it does not know)
     drafter = (draft or PUBLISHED[model].draft) if use_draft else None
     held = planned_draft_precision(drafter, draft_quant).held if drafter else None

