@@ -115,7 +115,7 @@ def resolve(model: Optional[str], draft: Optional[str] = None, quant: Optional[i
             return Resolved(target, draft or str(DEFAULT_DRAFT))
         return Resolved(target, None, f"no trained drafter for {DEFAULT_MODEL} yet")
     if model == GEMMA3_270M:
-        target = str(gemma3_path({8: "q8", 4: "q4"}.get(quant)))  # 16 or None: as converted
+        target = str(gemma3_path({16: "bfloat16", 8: "q8", 4: "q4"}.get(quant)))
         if draft or GEMMA3_DRAFT.is_dir():
             return Resolved(target, draft or str(GEMMA3_DRAFT))
         return Resolved(target, None, f"no trained drafter for {GEMMA3_270M} yet")
