@@ -1,5 +1,7 @@
 """Shared fixtures.  Importing dflash_mlx first lets it load OpenBLAS before mlx."""
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -65,3 +67,17 @@ def tiny_dirs(tmp_path_factory):
     model, _ = load(str(model_dir), use_draft=False)
     save_draft(random_draft(model.target, layer_ids=(0, 1), block_size=4), root / "draft")
     return model_dir, root / "draft"
+
+
+WIDE = 32_768  # a window that holds every agent's first request
+
+
+@pytest.fixture(scope="session")
+def wide_dirs(tiny_dirs, tmp_path_factory):
+    """The tiny model with a window of WIDE tokens (its config says so; the weights are the same)."""
+    model_dir, draft_dir = tiny_dirs
+    wide = tmp_path_factory.mktemp("wide") / "model"
+    shutil.copytree(model_dir, wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "max_position_embeddings": WIDE}))
+    return wide, draft_dir

@@ -5,7 +5,6 @@ tiny test model."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ pytest.importorskip("uvicorn", reason="the serve extra installs the server")
 
 from dflash_mlx.serve.agents import AGENTS, Plan, Served, codex, fit, plan, toml_value  # noqa: E402
 from dflash_mlx.serve.launch import ModelOptions, context_window  # noqa: E402
+from conftest import WIDE  # noqa: E402
 
 HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -92,20 +92,6 @@ def agents_on_path(tmp_path):
     env["DFLASH_MLX_CACHE"] = str(tmp_path / "cache")
     env.pop("DFLASH_MLX_API_KEY", None)
     return env
-
-
-WIDE = 32_768  # a window that holds every agent's first request
-
-
-@pytest.fixture(scope="module")
-def wide_dirs(tiny_dirs, tmp_path_factory):
-    """The tiny model with a window of WIDE tokens (its config says so; the weights are the same)."""
-    model_dir, draft_dir = tiny_dirs
-    wide = tmp_path_factory.mktemp("wide") / "model"
-    shutil.copytree(model_dir, wide)
-    config = json.loads((wide / "config.json").read_text())
-    (wide / "config.json").write_text(json.dumps({**config, "max_position_embeddings": WIDE}))
-    return wide, draft_dir
 
 
 def free_port() -> int:
