@@ -19,6 +19,16 @@ app.add_typer(train_app, name="train")
 convert_app = typer.Typer(no_args_is_help=True, help="Convert and quantize drafters and targets for MLX.")
 app.add_typer(convert_app, name="convert")
 
+# generate's flags as its errors name them (decode/request.check_values)
+GENERATE_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "block_size": "--block-size",
+    "stop": "--stop",
+}
 USER_ERRORS = (ValueError, TypeError, OSError, DraftLoadError, KeyError, UnicodeError, DistributedError)
 
 
@@ -150,18 +160,15 @@ def generate(
 ):
     """Generate text with DFlash speculative decoding, streaming it as it is accepted."""
     from .api import format_prompt, format_stats, load, stream_generate
-    from .sampling import SamplingParams
+    from .decode.request import check_values
 
     prompt = read_prompt(prompt)
-    if max_tokens <= 0:
-        fail(f"--max-tokens must be > 0, got {max_tokens}")
     if quant not in (None, 16, 8, 4):
         fail(f"--quant must be 16 (bf16), 8 or 4, got {quant}")
     check_draft_quant(draft_quant)
-    if block_size is not None and block_size < 1:
-        fail(f"--block-size must be >= 1, got {block_size}")
     pipeline = pipeline_options(distributed, split, timeout)
-    SamplingParams(temp, top_p, top_k)  # checked before the model loads
+    # checked before the model loads, as the request will check them (decode/request.check_values)
+    check_values(max_tokens, temp, top_p, top_k, seed, block_size, stop=stop, names=GENERATE_FLAGS)
     # a fixed width needs no cost curve
     pair, tokenizer = load(
         model,

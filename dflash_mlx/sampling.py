@@ -18,8 +18,6 @@ and identical to seeded plain decoding.  Greedy is the same code with no noise.
 """
 
 import hashlib
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,36 +27,15 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How a request samples (checked once, where the request is built: decode/request.check_sampling)."""
+
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
 
-    def __post_init__(self):
-        for name in ("temp", "top_p", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
-        if self.temp < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temp}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or self.top_k != int(self.top_k):
-            raise ValueError(f"top-k must be a whole number >= 0, got {self.top_k}")
-
     @property
     def greedy(self) -> bool:
         return self.temp == 0
-
-
-def check_seed(seed) -> Optional[int]:
-    """Any integer is a seed (reduced to 64 bits); anything else is refused."""
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
-    return int(seed) % (1 << 64)
 
 
 def new_seed() -> int:

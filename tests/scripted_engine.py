@@ -37,7 +37,7 @@ def scripted_batch(reply):
 
         def __init__(self, model=None, tokenizer=None, max_batch=8, *args):
             self.max_batch, self.offered = max_batch, []
-            self.running, self.queued, self.uids = {}, {}, iter(range(1 << 30))
+            self.running, self.queued, self.uids, self.last = {}, {}, iter(range(1 << 30)), {}
 
         @property
         def busy(self):
@@ -50,9 +50,9 @@ def scripted_batch(reply):
         def prefill_when_idle(self, prompt):
             self.offered.append(prompt)
 
-        def insert(self, prompt, max_tokens, **options):
+        def add(self, request):
             uid = next(self.uids)
-            self.queued[uid] = prompt
+            self.queued[uid] = request.prompt
             return uid
 
         def next(self):
@@ -61,9 +61,19 @@ def scripted_batch(reply):
                 self.running[uid] = responses(self.queued.pop(uid))
             out = [(uid, next(steps)) for uid, steps in self.running.items()]
             for uid, response in out:
+                self.last[uid] = response
                 if response.finish_reason:
                     self.remove(uid)
             return out
+
+        def cut(self, uid):
+            """Ended now, as if at its max_tokens (api.BatchGenerator.cut)."""
+            last = self.last.pop(uid, None)
+            self.remove(uid)
+            if last is None:
+                return None
+            ending = dict(text="", tokens=[], logprobs=None, stop_sequence=None, finish_reason="length")
+            return SimpleNamespace(**{**vars(last), **ending})
 
         def remove(self, uid):
             self.running.pop(uid, None)

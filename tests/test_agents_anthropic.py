@@ -127,7 +127,7 @@ def live(tiny_dirs):
 def submitted(live, monkeypatch):
     """The prompt tokens of every job the server submits to its engine, in order."""
     prompts, submit = [], live.server.worker.submit
-    monkeypatch.setattr(live.server.worker, "submit", lambda job: prompts.append(job.prompt) or submit(job))
+    monkeypatch.setattr(live.server.worker, "submit", lambda job: prompts.append(job.request.prompt) or submit(job))
     return prompts
 
 

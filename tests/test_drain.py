@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from dflash_mlx.decode.request import Request
 from dflash_mlx.serve import worker
 from dflash_mlx.serve.worker import DONE, Draining, Job, Worker
 from scripted_engine import slow_batch
@@ -30,7 +31,7 @@ def events_of(job: Job, timeout: float = 10.0) -> list:
 def test_a_drain_lets_running_jobs_finish_and_refuses_waiting_ones(monkeypatch):
     monkeypatch.setattr(worker, "BatchGenerator", slow_batch(pieces=5, seconds_per_step=0.02))
     engine = Worker(None, None, max_batch=1)
-    running, waiting = Job([1], 5, {}), Job([2], 5, {})
+    running, waiting = Job(Request([1], 5)), Job(Request([2], 5))
     engine.submit(running)
     first = running.events.get(timeout=10)
     engine.submit(waiting)  # queued behind the one running (batches of one)
@@ -46,7 +47,7 @@ def test_a_drain_lets_running_jobs_finish_and_refuses_waiting_ones(monkeypatch):
 def test_past_the_deadline_running_jobs_end_as_if_at_max_tokens(monkeypatch):
     monkeypatch.setattr(worker, "BatchGenerator", slow_batch(pieces=10_000, seconds_per_step=0.01))
     engine = Worker(None, None, max_batch=2)
-    job = engine.submit(Job([1], 10_000, {}))
+    job = engine.submit(Job(Request([1], 10_000)))
     out = [job.events.get(timeout=10)]
     tic = time.monotonic()
     threading.Thread(target=engine.drain, args=(0.3,), daemon=True).start()
@@ -132,13 +133,13 @@ def test_max_queue_bounds_the_jobs_not_yet_started_and_offers_do_not_count(monke
     monkeypatch.setattr(worker, "BatchGenerator", slow_batch(pieces=40, seconds_per_step=0.01))
     engine = Worker(None, None, max_queue=2, max_batch=1)
     try:
-        running = engine.submit(Job([1], 40, {}))
+        running = engine.submit(Job(Request([1], 40)))
         running.events.get(timeout=10)  # decoding: no longer waiting
         for _ in range(50):
             engine.prefill_when_idle([7, 7, 7])
-        waiting = [engine.submit(Job([2 + k], 40, {})) for k in range(2)]
+        waiting = [engine.submit(Job(Request([2 + k], 40))) for k in range(2)]
         with pytest.raises(worker.QueueFull):
-            engine.submit(Job([9], 40, {}))
+            engine.submit(Job(Request([9], 40)))
         assert engine.depth == 3
         assert len(events_of(running)) == 39
         for job in waiting:

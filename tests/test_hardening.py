@@ -66,7 +66,7 @@ def cli_cases(tiny_dirs, tmp_path):
     return [
         # generate: numbers
         (gen + ["--temp", "nan"], "temp must be finite"),
-        (gen + ["--temp", "-1"], "temperature must be >= 0"),
+        (gen + ["--temp", "-1"], "--temp must be >= 0"),
         (gen + ["--top-p", "0"], "top-p"),
         (gen + ["--top-k", "-3"], "top-k"),
         (gen + ["--max-tokens", "0"], "--max-tokens"),

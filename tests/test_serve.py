@@ -17,6 +17,7 @@ from dflash_mlx import generate, load  # noqa: E402
 from dflash_mlx.api import BatchGenerator, format_prompt  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
 from dflash_mlx.cache.prompt_cache import machine_memory  # noqa: E402
+from dflash_mlx.decode.request import Request  # noqa: E402
 from tiny_models import Recording  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live servers
@@ -323,7 +324,7 @@ def test_a_failed_warm_up_leaves_no_one_waiting(tiny_dirs, monkeypatch):
     server.worker._thread.join(30)
     assert not server.worker.alive
     with pytest.raises(worker.Draining):
-        server.worker.submit(worker.Job([1, 2], 2, {}))
+        server.worker.submit(worker.Job(Request([1, 2], 2)))
 
 
 def test_a_restarted_server_answers_an_old_session_from_its_cache_folder(tiny_dirs, tmp_path):
@@ -490,9 +491,9 @@ def test_a_full_queue_answers_429(served, monkeypatch):
     _, model, tokenizer, _, _ = served
     monkeypatch.setattr(worker, "BatchGenerator", slow_batch(pieces=1000, seconds_per_step=0.05))
     server = make_app(model, tokenizer, MODEL, max_queue=1, max_batch=1)
-    running = server.worker.submit(Job([1, 2], 1000, {}))
+    running = server.worker.submit(Job(Request([1, 2], 1000)))
     running.events.get(timeout=10)  # decoding: the next job waits in the queue, which it fills
-    server.worker.submit(Job([1, 2], 4, {}))
+    server.worker.submit(Job(Request([1, 2], 4)))
     with TestClient(server.app, base_url=LOCAL) as http:
         reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert reply.status_code == 429 and reply.json()["error"]["code"] == "queue_full"

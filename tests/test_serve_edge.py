@@ -18,6 +18,7 @@ anthropic = pytest.importorskip("anthropic", reason="the dev extra installs the 
 
 from live_server import live_server  # noqa: E402
 from dflash_mlx import load  # noqa: E402
+from dflash_mlx.decode.request import Request  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
 from scripted_engine import scripted_batch, slow_batch  # noqa: E402
 
@@ -197,7 +198,7 @@ def test_a_request_fails_rather_than_waits_when_the_engine_has_gone(slow, stream
     engine stopped" (a stream, an error event) in seconds instead of waiting for ever."""
     server, base = slow
     script = scripted_batch(lambda prompt: ["w0 ", "never sent"])()
-    script.insert([1], 2)
+    script.add(Request([1], 2))
     ((_, first),) = script.next()
 
     def taken_then_lost(job):

@@ -2,7 +2,7 @@
 (decode/decoder.py), their tokens streamed back as text, cut at EOS, a stop string or max_tokens."""
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -13,8 +13,8 @@ from ..decode.grammar import Grammar
 from ..io.progress import add_task, progress
 from ..decode.model import DFlashModel, Step
 from ..cache.prompt_cache import PromptCache
-from ..decode.request import Request, check_token_ids
-from ..sampling import SamplingParams, TokenLogprob, check_seed
+from ..decode.request import Bounds, Request, build_request
+from ..sampling import TokenLogprob
 from .loading import context_limit
 
 
@@ -90,8 +90,9 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def prompt_ids(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array:
-    """The prompt as token ids (1-D int32): text is encoded, ids are checked against the vocabulary."""
+def prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:
+    """The prompt as token ids: text is encoded, chat messages rendered (build_request checks the
+    ids against the vocabulary)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError("the prompt is empty; give some text to continue")
@@ -112,8 +113,7 @@ def prompt_ids(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array
         raise TypeError(f"prompt must be a string, chat messages or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError("the prompt is empty; give some text to continue")
-    check_token_ids(ids, vocab_size)
-    return mx.array(ids, dtype=mx.int32)
+    return ids
 
 
 def _chat_ids(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
@@ -130,6 +130,12 @@ def _chat_ids(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def bounds_of(model: DFlashModel) -> Bounds:
+    """What a request may ask of `model`: its vocabulary, its widest verify, its context."""
+    widest = model.draft.block_size if model.draft is not None else 1
+    return Bounds(model.target.vocab_size, widest, context_limit(model.target))
+
+
 def make_request(
     model: DFlashModel,
     tokenizer: TokenizerWrapper,
@@ -144,59 +150,26 @@ def make_request(
     stop: Union[str, Sequence[str]] = (),
     logprobs: Optional[int] = None,
     grammar: Optional[Grammar] = None,
-) -> tuple[Request, list[str]]:
-    """A Request and its stop strings, or a ValueError / TypeError naming what is wrong."""
-    prompt = prompt_ids(tokenizer, prompt, model.target.vocab_size)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
-        raise TypeError(f"max_tokens must be an integer, got {type(max_tokens).__name__}")
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    if block_size is not None:
-        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
-            raise TypeError(f"block_size must be an integer, got {type(block_size).__name__}")
-        most = model.draft.block_size if model.draft is not None else 1
-        if not 1 <= block_size <= most:
-            raise ValueError(
-                f"block_size must be between 1 and {most} (the drafter's block), got {block_size}"
-                if model.draft is not None
-                else f"block_size must be 1 without a drafter, got {block_size}"
-            )
-    limit = context_limit(model.target)
-    if limit and prompt.size + max_tokens > limit:
-        raise ValueError(
-            f"prompt ({prompt.size} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-            f"context of {limit} tokens; shorten the prompt or lower max_tokens"
-        )
-    if logprobs is not None and (
-        isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral) or not 0 <= logprobs <= 20
-    ):
-        raise ValueError(f"logprobs must be an integer between 0 and 20 (top alternatives per token), got {logprobs!r}")
-    stop = [stop] if isinstance(stop, str) else list(stop)
-    if not all(isinstance(s, str) for s in stop):
-        raise TypeError("stop must be a string or a list of strings")
-    request = Request(
-        prompt.tolist(),
-        int(max_tokens),
-        SamplingParams(temp, top_p, top_k),
-        check_seed(seed),
-        block_size,
-        logprobs,
-        grammar,
-    )
-    return request, stop
+) -> Request:
+    """A Request (its stop strings included), or a ValueError / TypeError naming what is wrong
+    (decode/request.build_request: the one place a request is checked)."""
+    ids = prompt_ids(tokenizer, prompt)
+    options = dict(temperature=temp, top_p=top_p, top_k=top_k, seed=seed, block_size=block_size, stop=stop)
+    return build_request(ids, max_tokens, bounds_of(model), **options, logprobs=logprobs, grammar=grammar)
 
 
 class Responses:
     """A request's Steps as GenerationResponses: detokenized, cut at EOS, a stop string or
     max_tokens (the response that ends it has a finish_reason)."""
 
-    def __init__(self, tokenizer: TokenizerWrapper, request: Request, stop: list[str]):
+    def __init__(self, tokenizer: TokenizerWrapper, request: Request):
         self.request, self.stats = request, request.stats
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
-        self.stop_text = _StopText(stop)
+        self.stop_text = _StopText(request.stop)
         self.eos = set(tokenizer.eos_token_ids)
         self.generated = 0
+        self.last: Optional[GenerationResponse] = None
 
     def push(self, step: Step) -> GenerationResponse:
         tokens, finish = step.tokens, None
@@ -213,7 +186,7 @@ class Responses:
         text, stop_found = self.stop_text.push(self.detokenizer.last_segment)
         if stop_found:
             finish = "stop"
-        elif finish is None and self.generated >= self.request.max_tokens:
+        elif finish is None and self.request.spent:
             finish = "length"
         if finish and not stop_found:
             self.detokenizer.finalize()
@@ -221,7 +194,17 @@ class Responses:
             text += more if stop_found else more + self.stop_text.flush()
             finish = "stop" if stop_found else finish
         accepted = min(step.accepted, len(tokens))
-        return self._response(text, tokens, accepted, finish, token_logprobs, stop_found)
+        self.last = self._response(text, tokens, accepted, finish, token_logprobs, stop_found)
+        return self.last
+
+    def cut(self) -> Optional[GenerationResponse]:
+        """Its ending now, as if at its max_tokens (a server draining past its deadline): no new
+        text, finish_reason "length"; None before any response (nothing to end)."""
+        if self.last is None:
+            return None
+        return replace(
+            self.last, text="", tokens=[], accepted=0, logprobs=None, stop_sequence=None, finish_reason="length"
+        )
 
     def _response(self, text, tokens, accepted, finish, token_logprobs, stop_sequence) -> GenerationResponse:
         stats = self.stats
@@ -267,10 +250,10 @@ def stream_generate(
     constrains the output."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    request, stop = make_request(model, tokenizer, prompt, max_tokens, **options)
+    request = make_request(model, tokenizer, prompt, max_tokens, **options)
     mx.reset_peak_memory()
     steps = decode_alone(model, request, prompt_cache)
-    responses = Responses(tokenizer, request, stop)
+    responses = Responses(tokenizer, request)
     for step in steps:
         response = responses.push(step)
         if response.finish_reason:
@@ -316,9 +299,12 @@ class BatchGenerator:
 
     def insert(self, prompt, max_tokens: int = 256, **options) -> int:
         """Queue a request (stream_generate's arguments); its uid.  Bad arguments raise here."""
-        request, stop = make_request(self.model, self.tokenizer, prompt, max_tokens, **options)
+        return self.add(make_request(self.model, self.tokenizer, prompt, max_tokens, **options))
+
+    def add(self, request: Request) -> int:
+        """Queue a request built and checked already (make_request, decode/request.build_request); its uid."""
         uid = self.decoder.add(request)
-        self.responses[uid] = Responses(self.tokenizer, request, stop)  # a detokenizer of its own
+        self.responses[uid] = Responses(self.tokenizer, request)  # a detokenizer of its own
         return uid
 
     @property
@@ -336,6 +322,13 @@ class BatchGenerator:
     def remove(self, uid: int) -> None:
         self.decoder.remove(uid)
         self.responses.pop(uid, None)
+
+    def cut(self, uid: int) -> Optional[GenerationResponse]:
+        """End a request now (Responses.cut: as if at its max_tokens), keeping what it decoded;
+        None when nothing of it came out yet."""
+        responses = self.responses.get(uid)
+        self.remove(uid)
+        return None if responses is None else responses.cut()
 
     def close(self) -> None:
         """Done with it: the wired memory limit as it was (Decoder.close)."""

@@ -178,7 +178,7 @@ class Decoder:
             except Exception as error:
                 raise StepFailed(error, self._abandon(error)) from error
             self.discard(*failed)
-            self.remove(*(row.uid for row in self.rows if row.left <= 0))  # one filter for all that ended
+            self.remove(*(row.uid for row in self.rows if row.spent))  # one filter for all that ended
         return BatchStep(size, width, steps, passes, failed)
 
     def _abandon(self, error: Exception) -> set[int]:
@@ -272,9 +272,9 @@ class Decoder:
         done = list(firsts)
         if len(done) < len(rows):
             mx.clear_cache()  # a long prompt's chunks: their activations are not kept
-        entering = [i for i in done if rows[i].left > 0]
+        entering = [i for i in done if not rows[i].spent]
         for i in done:
-            if rows[i].left <= 0:  # answered by its first token (a prompt prefilled for later): kept, never decoding
+            if rows[i].spent:  # answered by its first token (a prompt prefilled for later): kept, never decoding
                 self.prefix.keep_answer(rows[i], self.fill_cache, i, rows[i].prompt)
         if len(entering) == len(rows):  # all in: their batch becomes (or joins) the decoding one, not copied
             joining, self.filling, self.fill_cache = self.fill_cache, [], None

@@ -4,8 +4,10 @@ session-wide store of earlier answers), its grammar, its
 acceptance estimates and its statistics.  The step (decoder.py) reads it and `record`s
 what each cycle committed."""
 
+import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -40,12 +42,191 @@ class Context:
         return self.cache
 
 
+
+# ---------------------------------------------------------------- a request, checked once
+
+SAMPLING_RANGES = {"temperature": (0, math.inf), "top_p": (0, 1)}  # what sampling takes (the Python API, the CLI)
+MAX_LOGPROBS = 20  # top alternatives per token
+
+
+class BadValue(ValueError):
+    """A value a request may not ask, naming its `field` (as the caller wrote it) and the fix;
+    `code`: a machine-readable reason where the reference API gives one."""
+
+    def __init__(self, field: str, message: str, code: Optional[str] = None):
+        super().__init__(message)
+        self.field, self.code = field, code
+
+
+class BadType(BadValue, TypeError):
+    """A value of the wrong type (a TypeError too, as Python's own checks raise)."""
+
+
+class OutOfRange(BadValue):
+    """A number outside the API's reference range [low, high]: each API words it as its reference does."""
+
+    def __init__(self, field: str, value, low, high):
+        bounds = f">= {low}" if high == math.inf else f"between {low} and {high}"
+        super().__init__(field, f"{field} must be {bounds}, got {value}")
+        self.value, self.low, self.high = value, low, high
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a request may ask of the model: token ids below `vocab_size`, verify widths up to
+    `widest` (the drafter's block; 1 without a drafter), prompt + answer within `context`
+    (None: its config does not say)."""
+
+    vocab_size: int
+    widest: int = 1
+    context: Optional[int] = None
+
+
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
     """A ValueError naming the first id outside the vocabulary: an embedding read past its table
     gives whatever memory lies there, not an error."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        raise BadValue("prompt", f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def _integer(value, name: str, low: Optional[int] = None) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise BadType(name, f"{name} must be an integer, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise BadValue(name, f"{name} must be at least {low}, got {value}")
+    return int(value)
+
+
+def _real(value, name: str, bounds: tuple) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BadType(name, f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise BadValue(name, f"{name} must be finite, got {value}")
+    low, high = bounds
+    if not low <= value <= high:
+        raise OutOfRange(name, value, low, high)
+    return float(value)
+
+
+NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_size", "logprobs", "stop")
+
+
+@dataclass(frozen=True)
+class Values:
+    """A request's values checked on their own (before the model is known: the CLI checks its
+    flags so before loading); build_request checks them against the model."""
+
+    max_tokens: int
+    params: SamplingParams
+    seed: Optional[int]
+    block_size: Optional[int]
+    logprobs: Optional[int]
+    stop: tuple[str, ...]
+
+
+def check_values(
+    max_tokens,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    seed=None,
+    block_size=None,
+    logprobs=None,
+    stop: Union[str, Sequence[str]] = (),
+    ranges: dict = SAMPLING_RANGES,
+    names: Optional[dict] = None,
+) -> Values:
+    """Each value's type and range checked (sampling within `ranges`, the API's reference ranges;
+    a seed is any integer, reduced to 64 bits).  `names`: the fields as the caller calls them
+    (max_tokens may be max_output_tokens, temperature --temp), for the errors."""
+    name = {**dict(zip(NAMES, NAMES)), **(names or {})}
+    max_tokens = _integer(max_tokens, name["max_tokens"])
+    if max_tokens is None or max_tokens <= 0:
+        raise BadValue(name["max_tokens"], f"{name['max_tokens']} must be > 0, got {max_tokens}")
+    temp = _real(temperature, name["temperature"], ranges["temperature"])
+    p = _real(top_p, name["top_p"], ranges["top_p"])
+    if p == 0:
+        raise BadValue(name["top_p"], f"{name['top_p']} must be > 0")
+    params = SamplingParams(temp, p, _integer(top_k, name["top_k"], low=0))
+    seed = _integer(seed, name["seed"])
+    logprobs = _integer(logprobs, name["logprobs"])
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise BadValue(
+            name["logprobs"],
+            f"{name['logprobs']} must be an integer between 0 and {MAX_LOGPROBS} (top alternatives per token), "
+            f"got {logprobs}",
+        )
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise BadType(name["stop"], f"{name['stop']} must be a string or a list of strings")
+    block_size = _integer(block_size, name["block_size"], low=1)
+    seed = None if seed is None else seed % (1 << 64)
+    return Values(max_tokens, params, seed, block_size, logprobs, tuple(stop))
+
+
+def build_request(
+    prompt: list[int],
+    max_tokens,
+    bounds: Bounds,
+    *,
+    grammar: Optional[Grammar] = None,
+    cut_to_context: bool = False,
+    names: Optional[dict] = None,
+    **values,
+) -> "Request":
+    """The one place a caller's values become a Request: each checked (check_values: a BadValue,
+    or a BadType, naming the field and the fix), then against the model's `bounds`.
+    `block_size` None: the planner chooses the widths (Request.begin).  `max_tokens` is refused
+    when prompt + max_tokens would not fit the context, or, with `cut_to_context` (a server:
+    clients ask for what a hosted model writes), cut to the room the prompt leaves.  `values`:
+    check_values' (temperature, top_p, top_k, seed, block_size, logprobs, stop, ranges)."""
+    name = {**dict(zip(NAMES, NAMES)), **(names or {})}
+    checked = check_values(max_tokens, names=names, **values)
+    check_token_ids(prompt, bounds.vocab_size)
+    block_size = checked.block_size
+    if block_size is not None and block_size > bounds.widest:
+        raise BadValue(
+            name["block_size"],
+            f"{name['block_size']} must be between 1 and {bounds.widest} (the drafter's block), got {block_size}"
+            if bounds.widest > 1
+            else f"{name['block_size']} must be 1 without a drafter, got {block_size}",
+        )
+    budget = _within_context(len(prompt), checked.max_tokens, bounds.context, cut_to_context, name["max_tokens"])
+    return Request(
+        list(prompt),
+        budget,
+        checked.params,
+        checked.seed,
+        block_size,
+        checked.logprobs,
+        grammar,
+        stop=checked.stop,
+    )
+
+
+def _within_context(prompt: int, max_tokens: int, context: Optional[int], cut: bool, name: str) -> int:
+    """`max_tokens`, or (`cut`) what the context leaves after the prompt when that is less.  A
+    prompt that leaves no room is refused in the Anthropic API's words, which Claude Code reads
+    to compact the conversation."""
+    if not context or prompt + max_tokens <= context:
+        return max_tokens
+    if not cut:
+        raise BadValue(
+            name,
+            f"prompt ({prompt} tokens) + {name} ({max_tokens}) exceeds the model's context of {context} "
+            f"tokens; shorten the prompt or lower {name}",
+        )
+    if prompt >= context:
+        raise BadValue(
+            "prompt",
+            f"prompt is too long: {prompt} tokens > {context - 1} maximum "
+            f"(the model's context is {context} tokens, the answer needs one)",
+            code="context_length_exceeded",
+        )
+    return context - prompt
 
 
 @dataclass
@@ -62,6 +243,7 @@ class Request:
     logprobs: Optional[int] = None
     grammar: Optional[Grammar] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
+    stop: tuple[str, ...] = ()  # stop strings: the text is cut at the first (api.generation.Responses)
     # a prompt prefilled while idle (idle.py): no one reads its Step, and a request joining stops it
     background: bool = False
     uid: int = -1
@@ -82,7 +264,6 @@ class Request:
 
     def begin(self, model: DFlashModel) -> None:
         """Ready to decode with `model`: its drafter context, noise, lookup and grammar state."""
-        check_token_ids(self.prompt, model.target.vocab_size)
         self.adaptive = model.draft is not None and self.block_size is None and model.planner is not None
         self.block = 1 if model.draft is None else (self.block_size or model.draft.block_size)
         self.stats.block_size = self.block
@@ -113,6 +294,12 @@ class Request:
     @property
     def left(self) -> int:
         return self.max_tokens - self.produced
+
+    @property
+    def spent(self) -> bool:
+        """Whether it has committed its max_tokens (it then leaves the decoder; its answer ends at
+        its "length")."""
+        return self.left <= 0
 
     @property
     def most_tokens(self) -> int:

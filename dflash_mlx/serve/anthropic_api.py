@@ -20,51 +20,33 @@ used, reported as ignored, or refused by name with an Anthropic-style error.
 """
 
 import json
-import numbers
 import time
 import uuid
 from typing import Optional
 
-from starlette.background import BackgroundTask
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-
 from ..decode.grammar import Grammar
 from .answer import AnswerParser, Block, Blocks, answer_events
+from .edge import Call, Served, engine_request, first_events, format_grammar, ignored_header, stream_flag
 from .forced_tools import anthropic_tool_choice, choose_tools
-from .openai_api import format_grammar  # what a JSON format asks for, laid out as in every API
 from .protocol import (
     RequestError,
     answer_message,
     check_tools,
     constrained,
     decoding_stats,
-    generation_failure,
-    number,
     prompt_tokens,
-    sampling,
     template_options,
     text_of,
     unknown_fields,
 )
 from .validation import (
+    ANTHROPIC_RANGES,
+    anthropic_out_of_range,
     check_anthropic_prefill,
-    check_anthropic_ranges,
     check_anthropic_thinking,
     check_anthropic_tool_results,
 )
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "api_error",
-    529: "overloaded_error",
-}
 FIELDS = {
     "model",
     "messages",
@@ -214,13 +196,11 @@ def _prefill(messages: list[dict]) -> Optional[str]:
 
 
 class AnthropicAPI:
-    def __init__(self, server):
-        self.server = server
+    """POST /v1/messages and /v1/messages/count_tokens: a body read into the Call the server
+    runs (edge.py), or its prompt's length."""
 
-    def error(self, e: RequestError) -> JSONResponse:
-        self.server.refused(e)
-        kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": str(e)}}, e.status)
+    def __init__(self, served: Served):
+        self.served = served
 
     def _prompt(self, body: dict, grammar: bool):
         """The request's prompt tokens, its messages, tools and template options, and the partial
@@ -237,43 +217,34 @@ class AnthropicAPI:
         template = template_options(None if thinking is None else thinking["type"] != "disabled")
         if grammar:
             template = constrained(template)
-        tokens = prompt_tokens(self.server.tokenizer, messages, tools, continued=prefill is not None, template=template)
+        tokens = prompt_tokens(self.served.tokenizer, messages, tools, continued=prefill is not None, template=template)
         return tokens, (messages, tools, template), prefill
 
-    async def count_tokens(self, request: Request):
-        try:
-            body = await self.server.body(request)
-            prompt, *_ = self._prompt(body, _asks_grammar(body))
-        except RequestError as e:
-            return self.error(e)
-        return JSONResponse({"input_tokens": len(prompt)})
+    def count_tokens(self, body: dict) -> int:
+        prompt, *_ = self._prompt(body, _asks_grammar(body))
+        return len(prompt)
 
-    async def messages(self, request: Request):
-        try:
-            body = await self.server.body(request)
-            prompt, chat, prefill = self._prompt(body, _asks_grammar(body))
-            max_tokens = self.server.max_tokens(body, ("max_tokens",), None)
-            check_anthropic_ranges(body)
-            grammar, ignored_output = self._output_config(body.get("output_config"))
-            _, forced = choose_tools(self.server, chat[1], *anthropic_tool_choice(body.get("tool_choice")))
-            grammar = forced or grammar
-            options = {**sampling(body, {"stop": "stop_sequences"}), "grammar": grammar}
-            number(body, "top_k", 0, numbers.Integral, low=0)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise RequestError("stream must be true or false")
-            ignored = unknown_fields(body, FIELDS) + ignored_output
-            job, first = await self.server.start(prompt, max_tokens, options)
-        except RequestError as e:
-            return self.error(e)
-        message = _Message(self.server, chat, ignored, prefill, prompt, grammar is not None)
-        headers = {"x-dflash-ignored-fields": ", ".join(ignored)} if ignored else {}
-        follow = BackgroundTask(message.prefill_next_turn)
-        if stream:
-            return StreamingResponse(
-                message.stream(job, first), media_type="text/event-stream", headers=headers, background=follow
-            )
-        return await self.server.while_connected(request, self._whole(message, job, first, headers, follow))
+    def messages(self, body: dict) -> Call:
+        prompt, chat, prefill = self._prompt(body, _asks_grammar(body))
+        grammar, ignored_output = self._output_config(body.get("output_config"))
+        _, forced = choose_tools(self.served, chat[1], *anthropic_tool_choice(body.get("tool_choice")))
+        grammar = forced or grammar
+        request = engine_request(
+            self.served,
+            body,
+            prompt,
+            length=("max_tokens",),
+            default_length=None,
+            ranges=ANTHROPIC_RANGES,
+            out_of_range=anthropic_out_of_range,
+            stop="stop_sequences",
+            grammar=grammar,
+        )
+        stream = stream_flag(body)
+        ignored = unknown_fields(body, FIELDS) + ignored_output
+        message = _Message(self.served, chat, ignored, prefill, prompt, grammar is not None)
+        # a continued answer's text so far is not what the client sends back: only whole ones are followed
+        return Call([request], message, stream, ignored_header(ignored), chat if prefill is None else None)
 
     def _output_config(self, config) -> tuple[Optional[Grammar], list[str]]:
         """output_config: its `format` (a JSON schema) as the grammar the answer follows, and
@@ -283,16 +254,8 @@ class AnthropicAPI:
         if not isinstance(config, dict):
             raise RequestError("output_config: Input should be an object")
         ignored = [f"output_config.{name}" for name in config if name != "format"]
-        grammar = format_grammar(self.server, config.get("format"), "output_config.format", lambda f: f.get("schema"))
+        grammar = format_grammar(self.served, config.get("format"), "output_config.format", lambda f: f.get("schema"))
         return grammar, ignored
-
-    async def _whole(self, message: "_Message", job, first, headers: dict, follow: BackgroundTask) -> JSONResponse:
-        try:
-            async for _ in message.run(job, first):
-                pass
-        except Exception as e:
-            return self.error(generation_failure(e))
-        return JSONResponse(message.snapshot(), headers=headers, background=follow)
 
 
 def _asks_grammar(body: dict) -> bool:
@@ -321,11 +284,11 @@ class _Message:
     stream (message_start, content_block_start / delta / stop, ping, message_delta, message_stop).
     Its content blocks are the answer's blocks (answer.Blocks): thinking, text, tool_use."""
 
-    def __init__(self, server, chat: tuple, ignored: list[str], prefill: Optional[str], prompt, grammar: bool):
-        self.server, self.ignored = server, ignored
+    def __init__(self, served: Served, chat: tuple, ignored: list[str], prefill: Optional[str], prompt, grammar: bool):
+        self.served, self.ignored = served, ignored
         self.messages, self.tools, self.template = chat
         self.prefill = prefill  # the partial answer continued (the last of `messages`), if any
-        self.parser = AnswerParser.for_prompt(server.tokenizer, self.tools, prompt, constrained=grammar)
+        self.parser = AnswerParser.for_prompt(served.tokenizer, self.tools, prompt, constrained=grammar)
         self.id = "msg_" + uuid.uuid4().hex
         self.blocks, self.last = Blocks(), None
 
@@ -365,33 +328,35 @@ class _Message:
             "id": self.id,
             "type": "message",
             "role": "assistant",
-            "model": self.server.model_id,
+            "model": self.served.model_id,
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": self._usage(),
         }
 
-    async def run(self, job, first):
+    async def _run(self, generations):
         """Consume the engine's events; yields the block steps (answer.Blocks.add) at each."""
-        # a continued answer's text so far is not what the client sends back: only whole ones are followed
-        chat = (self.messages, self.tools, self.template) if self.prefill is None else None
-        async for self.last, events in answer_events(self.server.events(job, first, chat), self.parser):
+        async for self.last, events in answer_events(first_events(generations), self.parser):
             steps = [step for event in events for step in self.blocks.add(event)]
             yield steps + (self.blocks.stop() if self.last.finish_reason else [])
 
-    def prefill_next_turn(self) -> None:
-        """Once the answer is out (a background task of its response): its next turn prefilled
-        while the client acts on it (Server.prefill_next_turn).  A continued answer goes back
-        as one assistant turn, the partial answer and its continuation."""
+    async def whole(self, generations) -> dict:
+        async for _ in self._run(generations):
+            pass
+        return self.snapshot()
+
+    def next_turn(self) -> Optional[tuple[list[dict], list, dict]]:
+        """Once the answer is out: the conversation with it.  A continued answer goes back as one
+        assistant turn, the partial answer and its continuation."""
         if self.last is None or not self.last.finish_reason:
-            return
+            return None
         text, calls, reasoning = self.blocks.joined("text"), self.blocks.calls(), self.blocks.joined("reasoning")
         if self.prefill is None:
             answered = self.messages + [answer_message(text, calls, reasoning)]
         else:
             answered = self.messages[:-1] + [answer_message(self.prefill + text, calls, reasoning)]
-        self.server.follow_up(answered, self.tools, self.template)
+        return answered, self.tools, self.template
 
     @staticmethod
     def _event(kind: str, **fields) -> str:
@@ -412,44 +377,39 @@ class _Message:
                 )
             yield self._event("content_block_stop", index=index)
 
-    async def stream(self, job, first):
-        try:
-            start = {
-                "id": self.id,
-                "type": "message",
-                "role": "assistant",
-                "model": self.server.model_id,
-                "content": [],
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": {**input_usage(first), "output_tokens": 0},
-            }
-            yield self._event("message_start", message=start)
-            yield self._event("ping")
-            indexes, last_ping = {}, time.monotonic()  # a block's index: its place among the blocks
-            async for steps in self.run(job, first):
-                for step, block, text in steps:
-                    index = indexes.setdefault(id(block), len(indexes))
-                    for event in self._block_events(step, block, text, index):
-                        yield event
-                if (
-                    not steps and time.monotonic() - last_ping > 10
-                ):  # long silences keep proxies from closing the stream
-                    last_ping = time.monotonic()
-                    yield self._event("ping")
-            if not indexes:  # an empty answer is still a text block
-                yield self._event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                yield self._event("content_block_stop", index=0)
-            stop_reason, stop_sequence = self._stop()
-            yield self._event(
-                "message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=self._usage()
-            )
-            yield self._event("message_stop")
-        except Exception as e:
-            failure = self.server.stream_failed(e)
-            yield self._event("error", error={"type": "api_error", "message": str(failure)})
-        finally:
-            job.cancelled.set()
+    async def stream(self, generations):
+        start = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.served.model_id,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {**input_usage(generations.first), "output_tokens": 0},
+        }
+        yield self._event("message_start", message=start)
+        yield self._event("ping")
+        indexes, last_ping = {}, time.monotonic()  # a block's index: its place among the blocks
+        async for steps in self._run(generations):
+            for step, block, text in steps:
+                index = indexes.setdefault(id(block), len(indexes))
+                for event in self._block_events(step, block, text, index):
+                    yield event
+            if not steps and time.monotonic() - last_ping > 10:  # long silences keep proxies from closing the stream
+                last_ping = time.monotonic()
+                yield self._event("ping")
+        if not indexes:  # an empty answer is still a text block
+            yield self._event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            yield self._event("content_block_stop", index=0)
+        stop_reason, stop_sequence = self._stop()
+        yield self._event(
+            "message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=self._usage()
+        )
+        yield self._event("message_stop")
+
+    def stream_error(self, failure: RequestError) -> str:
+        return self._event("error", error={"type": "api_error", "message": str(failure)})
 
 
 def _thinking(text: str) -> dict:

@@ -12,35 +12,35 @@ default such as gpt-3.5-turbo); responses name the model that answered.
 """
 
 import contextlib
-import json
 import logging
-import numbers
 import queue
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..api import context_limit
+from ..api.generation import bounds_of
 from ..cache.prompt_cache import PromptCache, default_bytes, machine_memory
+from ..decode.request import Request as EngineRequest
 from .access_log import CLIENT_CLOSED, AccessLog, record_generation
 from .anthropic_api import AnthropicAPI
+from .edge import Call, Served, anthropic_error, openai_error, read_body
 from .guard import BrowserAccess, Guard
 from .metrics import Metrics
 from .openai_api import OpenAIAPI
-from .protocol import RequestError, answer_message, generation_failure, next_turn_tokens, number
+from .protocol import RequestError, answer_message, generation_failure, next_turn_tokens
 from .responses_api import ResponsesAPI
 from .worker import DONE, Draining, Job, QueueFull, Worker
 
-MAX_BODY = 8 << 20
 MAX_BATCH_TOKENS = 32768  # 8 rows of 4k tokens; a longer request runs alone
 ANSWER_FOLLOW_EVERY = 128  # answer tokens between looks at how its text so far reads back
 ANSWER_TAIL = 16  # an answer's last tokens (and the turn's closing ones) may read back otherwise once more follows
@@ -75,7 +75,8 @@ class Server:
 
     def __init__(self, model, tokenizer, model_id: str, options: ServerOptions):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
-        self.context = context_limit(model.target)
+        served = Served(tokenizer, model_id, bounds_of(model))
+        self.context = served.bounds.context
         self.prompt_cache = prompt_cache_for(model, model_id, options)
         self.next_turn_prefill = options.next_turn_prefill and self.prompt_cache is not None  # nowhere to keep it else
         self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
@@ -95,7 +96,7 @@ class Server:
         )
         self.draining = False  # stopping: new requests get 503
         self.started = int(time.time())  # the served model's creation time, as the models endpoints give it
-        self.openai, self.responses, self.anthropic = OpenAIAPI(self), ResponsesAPI(self), AnthropicAPI(self)
+        self.openai, self.responses, self.anthropic = OpenAIAPI(served), ResponsesAPI(served), AnthropicAPI(served)
         access = options.access or {}
         guard = Guard(self._routes(), self._refused_early, **access)
         self.app = AccessLog(BrowserAccess(guard, guard.origin_allowed, access.get("cors_origins", ())))
@@ -103,11 +104,11 @@ class Server:
     def _routes(self) -> Starlette:
         return Starlette(
             routes=[
-                Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
-                Route("/v1/completions", self.openai.completions, methods=["POST"]),
-                Route("/v1/responses", self.responses.create, methods=["POST"]),
-                Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
-                Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
+                Route("/v1/chat/completions", self._endpoint(self.openai.chat, openai_error), methods=["POST"]),
+                Route("/v1/completions", self._endpoint(self.openai.completions, openai_error), methods=["POST"]),
+                Route("/v1/responses", self._endpoint(self.responses.create, openai_error), methods=["POST"]),
+                Route("/v1/messages", self._endpoint(self.anthropic.messages, anthropic_error), methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -132,7 +133,7 @@ class Server:
 
     def _refused_early(self, path: str, error: RequestError) -> JSONResponse:
         """A request the Guard refuses, in the format of the API its path belongs to."""
-        return (self.anthropic if path.startswith("/v1/messages") else self.openai).error(error)
+        return self.error(error, anthropic_error if path.startswith("/v1/messages") else openai_error)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         """Unknown routes and wrong methods, as JSON errors in the format of the API asked."""
@@ -171,61 +172,70 @@ class Server:
 
     # ------------------------------------------------------------ what every API shares
 
-    async def body(self, request: Request) -> dict:
-        if "application/json" not in request.headers.get("content-type", ""):
-            raise RequestError("send a JSON body with Content-Type: application/json", 415)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
-            raise RequestError(f"the request body is larger than {MAX_BODY >> 20} MB", 413)
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise RequestError(f"the request body is larger than {MAX_BODY >> 20} MB", 413)
+    def _endpoint(self, read: Callable[[dict], Call], shape: Callable[[RequestError], JSONResponse]):
+        """The route of an API endpoint: `read` turns a body into its Call (a RequestError: a 4xx,
+        before anything is queued), `shape` writes errors as that API does."""
+
+        async def route(request: Request) -> Response:
+            return await self.answer(request, read, shape)
+
+        return route
+
+    async def answer(self, request: Request, read, shape) -> Response:
+        """A request read into a Call, run, and answered whole or streamed; once the answer is out,
+        its next turn prefilled while the client acts on it (follow_up)."""
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the body is not valid JSON ({e})") from None
-        except RecursionError:
-            raise RequestError("the body is nested too deeply; send at most a few hundred levels") from None
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
-        try:  # a lone surrogate ("\ud800") is valid JSON but no text a tokenizer can take
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as e:
-            bad = e.object[e.start : e.end].encode("unicode_escape").decode()
-            raise RequestError(f"the body holds text that is not valid Unicode ({bad}); send UTF-8 text") from None
-        return body
+            call = read(await read_body(request))
+            generations = Generations(self, call, await self.start(call.requests[0]))
+        except RequestError as e:
+            return self.error(e, shape)
+        follow = BackgroundTask(self._follow, call)
+        if call.stream:
+            stream = self._stream(call, generations)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=call.headers, background=follow)
+        response = await self.while_connected(request, self._whole(call, generations, shape))
+        response.background = follow
+        return response
 
-    def max_tokens(self, body: dict, names: tuple[str, ...], default: Optional[int]) -> int:
-        """The first of `names` the body sets (else `default`; required when None), at least 1;
-        `start` cuts it to what the context leaves after the prompt."""
-        name = next((n for n in names if body.get(n) is not None), None)
-        if name is None:
-            if default is None:
-                raise RequestError(f"{names[0]}: field required", param=names[0])
-            return default
-        return number(body, name, None, numbers.Integral, low=1)
+    async def _whole(self, call: Call, generations: "Generations", shape) -> Response:
+        try:
+            return JSONResponse(await call.answer.whole(generations), headers=call.headers)
+        except Exception as e:
+            return self.error(generation_failure(e), shape)
+        finally:
+            generations.close()  # requests not reached (one failed) or cut short (their client gone)
 
-    def fit_to_context(self, prompt: list[int], max_tokens: int) -> int:
-        """`max_tokens` cut to the room the context leaves after the prompt: clients ask for as
-        much as a hosted model writes (Claude Code asks 32000 of every turn), more than a local
-        model's context may hold; the answer then ends at the context's end, as at max_tokens.
-        A prompt that leaves no room is refused in the Anthropic API's words, which Claude Code
-        reads to compact the conversation."""
-        if not self.context:
-            return max_tokens
-        if len(prompt) >= self.context:
-            raise RequestError(
-                f"prompt is too long: {len(prompt)} tokens > {self.context - 1} maximum "
-                f"(the model's context is {self.context} tokens, the answer needs one)",
-                code="context_length_exceeded",
-            )
-        return min(max_tokens, self.context - len(prompt))
+    async def _stream(self, call: Call, generations: "Generations") -> AsyncIterator[str]:
+        try:
+            async for chunk in call.answer.stream(generations):
+                yield chunk
+        except Exception as e:
+            yield call.answer.stream_error(self.stream_failed(e))
+        finally:
+            generations.close()
 
-    async def start(self, prompt: list[int], max_tokens: int, options: dict) -> tuple[Job, Any]:
-        """Queue a generation; its first response.  A request the engine refuses before any
-        token (too long for the context, say) raises RequestError: a 4xx, not a broken stream."""
+    def _follow(self, call: Call) -> None:
+        turn = call.answer.next_turn()
+        if turn is not None:
+            self.follow_up(*turn)
+
+    async def count_tokens(self, request: Request) -> JSONResponse:
+        try:
+            return JSONResponse({"input_tokens": self.anthropic.count_tokens(await read_body(request))})
+        except RequestError as e:
+            return self.error(e, anthropic_error)
+
+    def error(self, error: RequestError, shape) -> JSONResponse:
+        """A refused request (counted; a 5xx logged) answered as its API writes errors (`shape`)."""
+        self.refused(error)
+        return shape(error)
+
+    async def start(self, request: EngineRequest) -> tuple[Job, Any]:
+        """Queue a checked request; its first response.  What the engine fails with before any
+        token is a 5xx (a request's own values were checked at the edge)."""
         if self.draining:
             raise RequestError(str(Draining()), 503)
-        job = Job(prompt, self.fit_to_context(prompt, max_tokens), options)
+        job = Job(request)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -239,8 +249,7 @@ class Server:
             raise
         if isinstance(first, Exception):
             await self.next_event(job)  # DONE
-            status = 503 if isinstance(first, Draining) else 400 if isinstance(first, (ValueError, TypeError)) else 500
-            raise RequestError(str(first), status) from first  # a 500 is logged with the engine's traceback
+            raise RequestError(str(first), 503 if isinstance(first, Draining) else 500) from first  # a 500 is logged
         return job, first
 
     async def next_event(self, job: Job):
@@ -347,6 +356,29 @@ class Server:
         failure = generation_failure(error)
         self.refused(failure)
         return failure
+
+
+class Generations:
+    """A Call's requests run, as (index, events) in order: the first started already, the others
+    queued together when the answer first asks (a batching engine decodes them together)."""
+
+    def __init__(self, server: Server, call: Call, started: tuple[Job, Any]):
+        self.server, self.call, self.started = server, call, [started]
+
+    @property
+    def first(self):
+        """The first request's first response."""
+        return self.started[0][1]
+
+    async def __aiter__(self):
+        for request in self.call.requests[len(self.started) :]:
+            self.started.append(await self.server.start(request))
+        for index, (job, first) in enumerate(self.started):
+            yield index, self.server.events(job, first, self.call.following)
+
+    def close(self) -> None:
+        for job, _ in self.started:
+            job.cancelled.set()
 
 
 def model_entry(server: Server, anthropic_shape: bool) -> dict:

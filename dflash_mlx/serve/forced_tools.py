@@ -59,7 +59,7 @@ def anthropic_tool_choice(choice) -> tuple[str, Optional[str]]:
     return modes[kind], choice.get("name") if kind == "tool" else None
 
 
-def choose_tools(server, tools: list[dict], mode: str, name: Optional[str]) -> tuple[list[dict], Optional[Grammar]]:
+def choose_tools(served, tools: list[dict], mode: str, name: Optional[str]) -> tuple[list[dict], Optional[Grammar]]:
     """The tools the model is offered and, when `mode` forces a call, the grammar that forces it
     (None: the model answers as it likes).  A named tool is forced with all the tools offered,
     so the prompt is the one "auto" renders, whose prefix the cache may hold."""
@@ -72,7 +72,7 @@ def choose_tools(server, tools: list[dict], mode: str, name: Optional[str]) -> t
     allowed = tools if mode == "required" else [t for t in tools if t["function"]["name"] == name]
     if not allowed:
         raise RequestError(f"tool_choice: no tool named {name!r} among the tools", param="tool_choice")
-    return tools, forced_call_grammar(server.tokenizer, server.model.target.vocab_size, allowed)
+    return tools, forced_call_grammar(served.tokenizer, served.bounds.vocab_size, allowed)
 
 
 def forced_call_grammar(tokenizer, vocab_size: int, tools: list[dict]) -> Grammar:

@@ -54,27 +54,6 @@ def number(body: dict, name: str, default, kind=numbers.Real, low=None, high=Non
     return value
 
 
-def sampling(body: dict, names: dict) -> dict:
-    """stream_generate's sampling options from the request fields `names` maps them to
-    (temp, top_p, top_k, seed, block_size, stop).  Greedy unless the request says otherwise."""
-    stop = body.get(names["stop"])
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-    ):
-        raise RequestError(f"{names['stop']} must be a string or a list of strings", param=names["stop"])
-    options = {
-        "temp": number(body, "temperature", 0.0, low=0, high=100),
-        "top_p": number(body, "top_p", 1.0, low=0, high=1),
-        "top_k": number(body, "top_k", 0, numbers.Integral, low=0),
-        "seed": number(body, "seed", None, numbers.Integral),
-        "block_size": number(body, "block_size", None, numbers.Integral, low=1),
-        "stop": [stop] if isinstance(stop, str) else stop or [],
-    }
-    if options["top_p"] == 0:
-        raise RequestError("top_p must be > 0", param="top_p")
-    return options
-
-
 def refuse_nonzero(body: dict, *names: str) -> None:
     """Fields whose non-default values would change the output and that the server does not
     implement: refused by name rather than ignored."""

@@ -1,7 +1,7 @@
 """The OpenAI Responses API: POST /v1/responses, streamed (the typed events the `openai`
 client parses) or not.  Stateless: a request carries its whole conversation as input items
-(previous_response_id is refused), as Codex sends it every turn.  What it shares with chat and
-text completions (errors, ignored fields, tools, text.format, logprobs) is in openai_api.py.
+(previous_response_id is refused), as Codex sends it every turn.  What it shares with the other
+APIs (the body's common fields, errors, ignored fields, text.format, logprobs) is in edge.py.
 
 Custom tools (free-form input, such as Codex's apply_patch) are offered to the model as
 functions of one string argument, `input`, and their calls come back as custom_tool_call
@@ -16,18 +16,25 @@ include ["reasoning.encrypted_content"] is accepted (nothing here is encrypted).
 """
 
 import json
-import numbers
 import time
 import uuid
 from typing import Optional
 
-from starlette.background import BackgroundTask
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-
 from .answer import AnswerParser, Block, Blocks, answer_events
+from .edge import (
+    OPENAI_NO_EFFECT,
+    SAMPLING_FIELDS,
+    Call,
+    Served,
+    engine_request,
+    first_events,
+    format_grammar,
+    ignored_header,
+    reasoning_tokens,
+    stream_flag,
+    token_logprobs,
+)
 from .forced_tools import choose_tools, openai_tool_choice
-from .openai_api import NO_EFFECT, SAMPLING_FIELDS, OpenAIEndpoints, format_grammar
 from .protocol import (
     RequestError,
     answer_message,
@@ -35,19 +42,16 @@ from .protocol import (
     check_tools,
     constrained,
     decoding_stats,
-    generation_failure,
-    number,
     prompt_tokens,
-    sampling,
     template_options,
     text_of,
     unknown_fields,
 )
-from .validation import check_function_call_outputs, check_openai_ranges
+from .validation import OPENAI_RANGES, check_function_call_outputs, openai_out_of_range
 
 RESPONSES_FIELDS = (
     SAMPLING_FIELDS
-    | NO_EFFECT
+    | OPENAI_NO_EFFECT
     | {
         "input",
         "instructions",
@@ -67,11 +71,15 @@ RESPONSES_FIELDS = (
 )
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")  # no reasoning: nothing to encrypt
 CUSTOM_INPUT = "input"  # the one argument a custom tool is offered to the model with
-UNBOUNDED = 1 << 30  # no max_output_tokens: cut to what the context leaves (Server.fit_to_context)
+UNBOUNDED = 1 << 30  # no max_output_tokens: cut to what the context leaves (decode/request.build_request)
 
 
-class ResponsesAPI(OpenAIEndpoints):
-    """POST /v1/responses: a request's input items as a conversation, answered as one response."""
+class ResponsesAPI:
+    """POST /v1/responses: a request's input items as a conversation, read into the Call the
+    server runs (edge.py), answered as one response."""
+
+    def __init__(self, served: Served):
+        self.served = served
 
     def _request(self, body: dict):
         _refuse_what_needs_state(body)
@@ -89,46 +97,34 @@ class ResponsesAPI(OpenAIEndpoints):
         check_function_call_outputs(items)
         tools, custom = function_tools(body.get("tools"))
         text_format = (body.get("text") or {}).get("format")
-        grammar = format_grammar(self.server, text_format, "text.format", lambda value: value.get("schema"))
-        tools, forced = choose_tools(self.server, tools, *openai_tool_choice(body.get("tool_choice")))
+        grammar = format_grammar(self.served, text_format, "text.format", lambda value: value.get("schema"))
+        tools, forced = choose_tools(self.served, tools, *openai_tool_choice(body.get("tool_choice")))
         grammar = forced or grammar  # a forced call's grammar admits no text for a format to shape
         if grammar is not None:
             template = constrained(template)
-        prompt = prompt_tokens(self.server.tokenizer, messages, tools, template=template)
+        prompt = prompt_tokens(self.served.tokenizer, messages, tools, template=template)
         return prompt, (messages, tools, template), custom, logprobs, grammar
 
-    async def create(self, request: Request):
-        try:
-            body = await self.server.body(request)
-            prompt, chat, custom, logprobs, grammar = self._request(body)
-            check_openai_ranges(body)
-            options = {**sampling(body, {"stop": "stop"}), "logprobs": logprobs, "grammar": grammar}
-            # without max_output_tokens, an answer may run to the end of the context, as the reference's
-            # do (Codex sends none, and reads a response.incomplete as a failed turn)
-            max_tokens, stream, _ = self._length_and_stream(body, UNBOUNDED, ("max_output_tokens",))
-            ignored = unknown_fields(body, RESPONSES_FIELDS)
-            job, first = await self.server.start(prompt, max_tokens, options)
-        except RequestError as e:
-            return self.error(e)
-        parser = AnswerParser.for_prompt(self.server.tokenizer, chat[1], prompt, constrained=grammar is not None)
-        response = _Response(self, body, chat, custom, ignored, parser)
-        follow = BackgroundTask(response.prefill_next_turn)
-        if stream:
-            return StreamingResponse(
-                response.stream(job, first),
-                media_type="text/event-stream",
-                headers=self._headers(ignored),
-                background=follow,
-            )
-        return await self.server.while_connected(request, self._whole(response, job, first, follow))
-
-    async def _whole(self, response: "_Response", job, first, follow: BackgroundTask) -> JSONResponse:
-        try:
-            async for _ in response.run(job, first):
-                pass
-        except Exception as e:
-            return self.error(generation_failure(e))
-        return JSONResponse(response.snapshot(), headers=self._headers(response.ignored), background=follow)
+    def create(self, body: dict) -> Call:
+        prompt, chat, custom, logprobs, grammar = self._request(body)
+        # without max_output_tokens, an answer may run to the end of the context, as the reference's
+        # do (Codex sends none, and reads a response.incomplete as a failed turn)
+        request = engine_request(
+            self.served,
+            body,
+            prompt,
+            length=("max_output_tokens",),
+            default_length=UNBOUNDED,
+            ranges=OPENAI_RANGES,
+            out_of_range=openai_out_of_range,
+            logprobs=logprobs,
+            grammar=grammar,
+        )
+        stream = stream_flag(body)
+        ignored = unknown_fields(body, RESPONSES_FIELDS)
+        parser = AnswerParser.for_prompt(self.served.tokenizer, chat[1], prompt, constrained=grammar is not None)
+        response = _Response(self.served, body, chat, custom, ignored, parser)
+        return Call([request], response, stream, ignored_header(ignored), chat)
 
 
 def _refuse_what_needs_state(body: dict) -> None:
@@ -142,14 +138,14 @@ def _refuse_what_needs_state(body: dict) -> None:
         raise RequestError("background responses are not supported here", param="background")
 
 
-def _included_logprobs(body: dict) -> Optional[int]:
-    """top_logprobs where include asks for the output's logprobs (None: not asked)."""
+def _included_logprobs(body: dict) -> Optional[tuple[str, object]]:
+    """("top_logprobs", its value) where include asks for the output's logprobs (None: not asked)."""
     include = body.get("include") or []
     if not isinstance(include, list) or any(item not in INCLUDABLE for item in include):
         raise RequestError(f"include: this server can include {', '.join(INCLUDABLE)}", param="include")
     if "message.output_text.logprobs" not in include:
         return None
-    return number(body, "top_logprobs", 0, numbers.Integral, 0, 20)
+    return "top_logprobs", 0 if body.get("top_logprobs") is None else body["top_logprobs"]
 
 
 def _instructions(body: dict) -> list[dict]:
@@ -266,10 +262,10 @@ class _Response:
     stream of typed events the openai client parses.  Its output items are the answer's blocks
     (answer.Blocks): reasoning, message, function_call (or custom_tool_call) items, in order."""
 
-    def __init__(self, api: ResponsesAPI, body: dict, chat: tuple, custom: set, ignored: list[str], parser):
+    def __init__(self, served: Served, body: dict, chat: tuple, custom: set, ignored: list[str], parser):
         """`chat`: the conversation's messages, the function tools offered and the template options;
         `custom`: the names of the tools that are custom tools."""
-        self.api, self.body, self.ignored, self.parser = api, body, ignored, parser
+        self.served, self.body, self.ignored, self.parser = served, body, ignored, parser
         self.messages, self.tools, self.template = chat
         self.custom = custom
         self.id = "resp_" + uuid.uuid4().hex
@@ -306,7 +302,7 @@ class _Response:
                 "input_tokens_details": {"cached_tokens": last.cached_tokens},
                 "output_tokens": last.generation_tokens,
                 "output_tokens_details": {
-                    "reasoning_tokens": self.api.reasoning_tokens(self.blocks.joined("reasoning"))
+                    "reasoning_tokens": reasoning_tokens(self.served.tokenizer, self.blocks.joined("reasoning"))
                 },
                 "total_tokens": last.prompt_tokens + last.generation_tokens,
                 "dflash": dflash,
@@ -316,7 +312,7 @@ class _Response:
             "object": "response",
             "created_at": self.created,
             "status": status or ("incomplete" if incomplete else "completed"),
-            "model": self.api.server.model_id,
+            "model": self.served.model_id,
             "output": output if status is None else [],
             "usage": usage,
             "error": None,
@@ -338,7 +334,7 @@ class _Response:
     def _part(self, block: Block, done: bool) -> dict:
         if block.kind == "reasoning":
             return {"type": "reasoning_text", "text": block.text if done else ""}
-        logprobs = self.api.token_logprobs(block.logprobs) if done else []
+        logprobs = token_logprobs(self.served.tokenizer, block.logprobs) if done else []
         return {"type": "output_text", "text": block.text if done else "", "annotations": [], "logprobs": logprobs}
 
     def _item(self, block: Block, status: str) -> dict:
@@ -357,20 +353,19 @@ class _Response:
             return {"type": "custom_tool_call", **item, "input": custom_input(arguments) if done else ""}
         return {"type": "function_call", **item, "arguments": arguments}
 
-    def prefill_next_turn(self) -> None:
+    def next_turn(self) -> Optional[tuple[list[dict], list, dict]]:
         """Once the response is complete: the conversation with its output items, as the client
-        sends them back as input, prefilled while it acts on them (Server.prefill_next_turn)."""
-        if self.last is not None and self.last.finish_reason:
-            answer = input_messages(self.output())
-            self.api.server.follow_up(self.messages + answer, self.tools, self.template)
+        sends them back as input."""
+        if self.last is None or not self.last.finish_reason:
+            return None
+        return self.messages + input_messages(self.output()), self.tools, self.template
 
-    async def run(self, job, first):
+    async def _run(self, generations):
         """Consume the engine's events; yields the block steps (answer.Blocks.add) at each, the
         step's logprobs on its first piece of text (a step with none passes them on; a step of
         reasoning drops them: they are not the text's)."""
-        server, pending = self.api.server, []
-        chat = (self.messages, self.tools, self.template)
-        async for self.last, events in answer_events(server.events(job, first, chat), self.parser):
+        pending = []
+        async for self.last, events in answer_events(first_events(generations), self.parser):
             steps = [step for event in events for step in self.blocks.add(event)]
             steps += self.blocks.stop() if self.last.finish_reason else []
             pending += self.last.logprobs or []
@@ -382,6 +377,11 @@ class _Response:
             elif any(step == "delta" for step, _, _ in steps):
                 pending = []
             yield steps
+
+    async def whole(self, generations) -> dict:
+        async for _ in self._run(generations):
+            pass
+        return self.snapshot()
 
     def _event(self, kind: str, **fields) -> str:
         self.sequence += 1
@@ -403,7 +403,7 @@ class _Response:
         elif step == "delta" and block.kind == "reasoning":
             yield self._event("response.reasoning_text.delta", **where, content_index=0, delta=text)
         elif step == "delta" and block.kind == "text":
-            logprobs = self.api.token_logprobs(self.step_logprobs)
+            logprobs = token_logprobs(self.served.tokenizer, self.step_logprobs)
             self.step_logprobs = []
             yield self._event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=logprobs)
         elif step == "delta" and block.call["name"] not in self.custom:
@@ -427,25 +427,23 @@ class _Response:
             yield self._event("response.content_part.done", **where, content_index=0, part=item["content"][0])
         yield self._event("response.output_item.done", output_index=where["output_index"], item=item)
 
-    async def stream(self, job, first):
-        try:
-            yield self._event("response.created", response=self.snapshot("in_progress"))
-            yield self._event("response.in_progress", response=self.snapshot("in_progress"))
-            indexes = {}  # a block's output index: its place among the items
-            async for steps in self.run(job, first):
-                for step, block, text in steps:
-                    index = indexes.setdefault(id(block), len(indexes))
-                    for event in self._block_events(step, block, text, index):
-                        yield event
-            for block in self._closing():  # an empty answer is still a message
-                for step in ("start", "stop"):
-                    for event in self._block_events(step, block, "", len(indexes)):
-                        yield event
-            final = self.snapshot()
-            yield self._event(
-                "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
-            )
-        except Exception as e:
-            yield self._event("error", code="server_error", message=str(self.api.server.stream_failed(e)), param=None)
-        finally:
-            job.cancelled.set()
+    async def stream(self, generations):
+        yield self._event("response.created", response=self.snapshot("in_progress"))
+        yield self._event("response.in_progress", response=self.snapshot("in_progress"))
+        indexes = {}  # a block's output index: its place among the items
+        async for steps in self._run(generations):
+            for step, block, text in steps:
+                index = indexes.setdefault(id(block), len(indexes))
+                for event in self._block_events(step, block, text, index):
+                    yield event
+        for block in self._closing():  # an empty answer is still a message
+            for step in ("start", "stop"):
+                for event in self._block_events(step, block, "", len(indexes)):
+                    yield event
+        final = self.snapshot()
+        yield self._event(
+            "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
+        )
+
+    def stream_error(self, failure: RequestError) -> str:
+        return self._event("error", code="server_error", message=str(failure), param=None)

@@ -1,5 +1,5 @@
-"""Checks at the API edge that the reference APIs make, in their own words: sampling ranges,
-and tool calls paired with their results.  A conversation whose tool call has no result (or
+"""Checks at the API edge that the reference APIs make, in their own words: sampling ranges
+(checked by decode/request.build_request, worded here), and tool calls paired with their results.  A conversation whose tool call has no result (or
 whose result answers no call) is refused with a 400 rather than rendered as something the
 client did not mean; the wording is the reference API's, so clients and their users recognise it.
 
@@ -8,38 +8,26 @@ Ids are compared with == over lists, never hashed: a client may send any JSON va
 
 import numbers
 
+from ..decode.request import OutOfRange
 from .protocol import RequestError
 
 OPENAI_RANGES = {"temperature": (0, 2), "top_p": (0, 1)}
 ANTHROPIC_RANGES = {"temperature": (0, 1), "top_p": (0, 1)}
 
 
-def _out_of_range(body: dict, ranges: dict) -> list[tuple[str, float, float, float]]:
-    """(name, value, low, high) of the numbers in `body` outside their range (NaN is outside);
-    values of the wrong type are left to protocol.number, which names the type expected."""
-    return [
-        (name, body[name], low, high)
-        for name, (low, high) in ranges.items()
-        if isinstance(body.get(name), numbers.Real)
-        and not isinstance(body[name], bool)
-        and not low <= body[name] <= high
-    ]
+def openai_out_of_range(e: OutOfRange) -> RequestError:
+    """A sampling value outside OpenAI's range (decode/request.build_request found it), in OpenAI's words."""
+    below = e.value < e.low
+    return RequestError(
+        f"Invalid '{e.field}': decimal {'below minimum' if below else 'above maximum'} value. "
+        f"Expected a value {'>=' if below else '<='} {e.low if below else e.high}, but got {e.value} instead.",
+        param=e.field,
+        code="decimal_below_min_value" if below else "decimal_above_max_value",
+    )
 
 
-def check_openai_ranges(body: dict) -> None:
-    for name, value, low, high in _out_of_range(body, OPENAI_RANGES):
-        below = value < low
-        raise RequestError(
-            f"Invalid '{name}': decimal {'below minimum' if below else 'above maximum'} value. "
-            f"Expected a value {'>=' if below else '<='} {low if below else high}, but got {value} instead.",
-            param=name,
-            code="decimal_below_min_value" if below else "decimal_above_max_value",
-        )
-
-
-def check_anthropic_ranges(body: dict) -> None:
-    for name, _, low, high in _out_of_range(body, ANTHROPIC_RANGES):
-        raise RequestError(f"{name}: range: {low}..{high}")  # Anthropic's errors name no param
+def anthropic_out_of_range(e: OutOfRange) -> RequestError:
+    return RequestError(f"{e.field}: range: {e.low}..{e.high}")  # Anthropic's errors name no param
 
 
 def _listing(ids: list) -> str:

@@ -1,12 +1,10 @@
-"""The engine thread: jobs from a bounded FIFO, decoded together.
+"""The engine thread: jobs from a bounded FIFO, handed to the decoder.
 
-The HTTP side puts a Job in a bounded queue (full: the caller answers 429) and
-reads the job's events.  The Worker decodes up to `max_batch` jobs together
-(api.BatchGenerator; one at a time where the target cannot batch, e.g. the
-pipeline-parallel mode): a job joins between steps, and leaves when it finishes or
-its `cancelled` is set (a client gone), freeing its row for the next.  `drain` ends it
-gracefully: no new jobs, the running ones finish (or are cut at a deadline, ending as if at
-their max_tokens).
+The HTTP side checks a request whole (serve/edge.py, decode/request.build_request), puts its Job
+in a bounded queue (full: the caller answers 429) and reads the job's events.  The Worker hands
+jobs to api.BatchGenerator between steps; a job leaves when it finishes or its `cancelled` is
+set (a client gone).  `drain` ends it gracefully: no new jobs, the running ones finish (or are
+cut at a deadline, ending as if at their max_tokens).
 
 Which jobs decode, which wait, and what is prefilled while nothing waits (`prefill_when_idle`:
 the conversations as their next requests will render them, while an agent runs its tools) is
@@ -14,7 +12,6 @@ the decoder's to decide (decode/decoder.py); the worker hands it jobs and offers
 and routes what comes out.
 """
 
-import copy
 import logging
 import queue
 import threading
@@ -25,6 +22,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from ..api import BatchGenerator
+from ..decode.request import Request
 
 DONE = object()
 logger = logging.getLogger(__name__)
@@ -32,9 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Job:
-    prompt: list[int]
-    max_tokens: int
-    options: dict  # temp, top_p, top_k, seed, block_size, stop
+    request: Request  # checked at the edge (decode/request.build_request)
     events: "queue.Queue" = field(default_factory=queue.Queue)  # GenerationResponse | Exception | DONE
     cancelled: threading.Event = field(default_factory=threading.Event)
     output: list[int] = field(default_factory=list)  # the tokens answered so far (the engine thread's)
@@ -58,9 +54,9 @@ def answer_error(job: Job, error: Exception) -> None:
 
 
 class Worker:
-    """Jobs decoded together on the engine thread (up to `max_batch` at once, the others waiting
-    in the decoder); `on_step(size, width, passes)` after each step, `on_finish(last response,
-    cancelled)` when a job ends."""
+    """Jobs handed to the decoder on the engine thread (`max_batch`, `max_batch_tokens`: the
+    decoder's bounds; up to `max_queue` jobs may wait for it); `on_step(size, width, passes)`
+    after each step, `on_finish(last response, cancelled)` when a job ends."""
 
     def __init__(
         self,
@@ -76,11 +72,10 @@ class Worker:
         on_finish=None,
     ):
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch, self.max_queue, self.on_step = max_batch, max_queue, on_step
+        self.max_queue, self.on_step = max_queue, on_step
         self.active: dict[int, tuple[Job, Any]] = {}  # uid -> (job, its last response): running or waiting
         self.batch = BatchGenerator(model, tokenizer, max_batch, prompt_cache, max_batch_tokens)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()  # to the engine thread (None: a wake-up)
-        self._waiting = 0  # jobs not yet prefilling (handed over or not): what max_queue bounds
         self._offers: list[list[int]] = []  # prompts for idle prefills, to hand to the decoder
         self._stopping = False
         self._deadline: Optional[float] = None  # draining: when running jobs are cut
@@ -103,6 +98,11 @@ class Worker:
             return sum(job is not None for job in self.jobs.queue)
 
     @property
+    def waiting(self) -> int:
+        """Jobs not yet prefilling, handed to the decoder or not: what max_queue bounds."""
+        return self._queued_jobs() + len(self.batch.waiting)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -121,9 +121,8 @@ class Worker:
         with self._closing:
             if self._closed or self._deadline is not None:
                 raise Draining()
-            if self._waiting >= self.max_queue:
+            if self.waiting >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting; retry later")
-            self._waiting += 1
             self.jobs.put(job)
         return job
 
@@ -193,7 +192,6 @@ class Worker:
                 logger.exception("a decode step failed outside any request; failing every running request")
                 self._fail(set(self.active), error)
                 continue
-            self._count_waiting()
             if self.batch.failed:
                 self._fail_requests(self.batch.failed)
             step = self.batch.last_step
@@ -228,42 +226,27 @@ class Worker:
                     continue
                 break
             if job.cancelled.is_set():
-                self._unwait(1)
                 job.events.put(DONE)
                 continue
             try:
-                uid = self.batch.insert(job.prompt, job.max_tokens, **job.options)
-            except Exception as e:
-                self._unwait(1)
+                uid = self.batch.add(job.request)
+            except Exception as e:  # not its values (checked at the edge): the engine's own failure
                 answer_error(job, e)
                 continue
             self.active[uid] = (job, None)
         return True
-
-    def _unwait(self, jobs: int) -> None:
-        with self._closing:
-            self._waiting -= jobs
-
-    def _count_waiting(self) -> None:
-        """Jobs the decoder has started prefilling no longer count against max_queue."""
-        still = len(self.batch.waiting)
-        with self._closing:
-            self._waiting = still + self._queued_jobs()
 
     def _drained(self) -> bool:
         """Draining: waiting jobs refused, running ones cut once the deadline is past; True when
         nothing runs any more."""
         self._refuse_waiting()
         if self.active and time.monotonic() >= self._deadline:
-            for uid, (job, last) in list(self.active.items()):
-                self.batch.remove(uid)
+            for uid, (job, _) in list(self.active.items()):
                 del self.active[uid]
-                if last is None:  # nothing out yet: refused as a waiting job is
+                end = self.batch.cut(uid)
+                if end is None:  # nothing out yet: refused as a waiting job is
                     answer_error(job, Draining())
                     continue
-                end = copy.copy(last)
-                end.text, end.tokens, end.accepted, end.logprobs = "", [], 0, None
-                end.stop_sequence, end.finish_reason = None, "length"
                 job.events.put(end)
                 self._finished(job, end, cancelled=False)
         return not self.active
@@ -283,7 +266,6 @@ class Worker:
                 break
             if job is not None:
                 answer_error(job, Draining())
-        self._waiting = 0
 
     def _drop_cancelled(self) -> None:
         for uid, (job, last) in list(self.active.items()):
