@@ -42,7 +42,6 @@ class Context:
         return self.cache
 
 
-
 # ---------------------------------------------------------------- a request, checked once
 
 SAMPLING_RANGES = {"temperature": (0, math.inf), "top_p": (0, 1)}  # what sampling takes (the Python API, the CLI)
