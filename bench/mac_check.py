@@ -6,15 +6,20 @@ mlx-lm here.
     python bench/mac_check.py [--quick] [--model M] [--gdn-model Qwen3.5-4B] [--prompts 4]
         [--max-tokens 128] [--out bench/results/mac-check]
 
-Each section runs on its own: an error becomes that section's result (its one-line text) and the
-next section runs.  report.md (to paste into an issue) and report.json are rewritten in --out
-after every section, so a partial report is there whatever fails.  Sections:
+Each section runs on its own: an error becomes that section's result (its one-line text, with a
+Metal compiler's first `error:` line) and the next section runs.  report.md (to paste into an
+issue) and report.json are rewritten in --out before each section (which it then names as
+started) and after it, so a process that dies outright (a GPU fault, the OS killing it) leaves the
+name of the section it died in.  An --out that cannot be written is refused before anything runs.
+Sections:
 
     environment         doctor's facts: chip, memory, versions, Metal, kernels, BLAS, caches
     kernel_self_checks  each kernel against its twin at the published pairs' real shapes
-                        (verdict, max rel. error, kernel and twin ms): Metal only
-    lossless_greedy     greedy DFlash vs plain mlx-lm, token for token; on a GPU a first
-                        difference at a near-tie (top-2 logits within a few ulps) is allowed
+                        (verdict, max rel. error, kernel and twin ms), bidirectional, causal and
+                        windowed attention, bf16 and fp16: Metal only
+    lossless_greedy     greedy DFlash vs plain mlx-lm, token for token over the full length; on
+                        a GPU a first difference at a near-tie (top-2 logits within a few ulps)
+                        is allowed
     speed               tok/s of plain mlx-lm and of DFlash at widths 4, 8, 16 and adaptive
     cost_curve          the verify cost curve the adaptive plan decides on (target and drafter)
     gated_delta_target  lossless and speed on a GatedDeltaNet target (--gdn-model, 4-bit) when
@@ -45,6 +50,7 @@ from dflash_mlx.api import doctor, format_prompt
 from dflash_mlx.api.registry import DEFAULT_DRAFT, PUBLISHED
 from dflash_mlx.bench.harness import run_dflash, run_plain
 from dflash_mlx.bench.prompt_sets import mixed_prompts
+from dflash_mlx.io.storage import writable
 from dflash_mlx.kernels import metal as kernels
 from dflash_mlx.kernels.fused_ops import unfused
 
@@ -57,6 +63,8 @@ ATTENTION_SHAPES = {"Qwen3-4B / Qwen3-8B drafters": (32, 8, 128)}  # (query head
 TAPE_SHAPES = {"Qwen3.5-9B": (16, 32, 128, 128)}  # GatedDeltaNet (key heads, value heads, key dim, value dim)
 WIDTHS = (4, 8, 16)
 CONTEXTS = (1024, 4096)
+WINDOW = 512  # the sliding window of the windowed attention rows
+STARTED = "started (if the report ends here, the process died in this section)"
 NEAR_TIE_ULPS = 4  # a first difference within this many ulps of the top logit is a near-tie
 MANTISSA_BITS = {mx.float32: 23, mx.float16: 10, mx.bfloat16: 7}
 
@@ -92,6 +100,9 @@ class Report:
         self.sections: list[Section] = []
 
     def run(self, name: str, check: Callable[[], Outcome]) -> Section:
+        self.sections.append(Section(name, STARTED))
+        self.write()  # what a hard abort of the process leaves
+        self.sections.pop()
         tic = time.perf_counter()
         try:
             outcome = check()
@@ -205,18 +216,27 @@ def tape_shape(config: dict) -> Optional[tuple]:
 
 def kernel_self_checks(quick: bool, shapes: Optional[tuple[dict, dict]] = None) -> Outcome:
     """Each kernel against its twin (kernels.prove, what decoding runs at a shape class's first
-    use) on random inputs of the real shapes, in bf16 (what a Mac runs)."""
+    use) on random inputs of the real shapes: bidirectional attention and the tape in bf16 (what a
+    Mac runs) at every width and context; then, at the widest block and the first context, causal
+    and windowed attention and both kernels in fp16."""
     needs_metal()
     attention, tape = shapes or real_shapes()
     widths, contexts = ((16,), (1024,)) if quick else (WIDTHS, CONTEXTS)
+    widest, first = widths[-1], contexts[0]
     rows = []
     for model, (HQ, HKV, D) in attention.items():
         for context in contexts:
             for L in widths:
                 rows.append(guarded(model, "block_attention", lambda: attention_check(model, HQ, HKV, D, L, context)))
+        masks = [dict(causal=True), dict(window=WINDOW), dict(causal=True, window=WINDOW), dict(dtype=mx.float16)]
+        for mask in masks:
+            rows.append(
+                guarded(model, "block_attention", lambda: attention_check(model, HQ, HKV, D, widest, first, **mask))
+            )
     for model, (HK, HV, DK, DV) in tape.items():
         for T in widths:
             rows.append(guarded(model, "gated_delta_tape", lambda: tape_check(model, HK, HV, DK, DV, T)))
+        rows.append(guarded(model, "gated_delta_tape", lambda: tape_check(model, HK, HV, DK, DV, widest, mx.float16)))
     return Outcome(rows, failed=any(r["verdict"] in ("disagrees", "failed") for r in rows))
 
 
@@ -229,13 +249,24 @@ def guarded(model: str, kernel: str, check: Callable[[], dict]) -> dict:
         return {"model": model, "kernel": kernel, "verdict": "failed", "why": kernels.one_line(e)}
 
 
-def attention_check(model: str, HQ: int, HKV: int, D: int, L: int, context: int, dtype=mx.bfloat16) -> dict:
+def attention_check(
+    model: str,
+    HQ: int,
+    HKV: int,
+    D: int,
+    L: int,
+    context: int,
+    dtype=mx.bfloat16,
+    causal: bool = False,
+    window: Optional[int] = None,
+) -> dict:
     q, k, v = (mx.random.normal((1, h, L, D)).astype(dtype) for h in (HQ, HKV, HKV))
     ck, cv = (mx.random.normal((1, HKV, context + 64, D)).astype(dtype) for _ in range(2))
     span = kernels.ContextSpan(ck, cv, 0, context)
-    launch = kernels.block_attention_launch(q, k, v, span, scale=D**-0.5)
-    decision, _ = kernels.prove(launch, lambda: [kernels.block_attention_mlx(q, k, v, span, scale=D**-0.5)])
-    return check_row(model, "block_attention", kernels.attention_class(q, k, span, False, None), decision)
+    masking = dict(scale=D**-0.5, causal=causal, window=window)
+    launch = kernels.block_attention_launch(q, k, v, span, **masking)
+    decision, _ = kernels.prove(launch, lambda: [kernels.block_attention_mlx(q, k, v, span, **masking)])
+    return check_row(model, "block_attention", kernels.attention_class(q, k, span, causal, window), decision)
 
 
 def tape_check(model: str, HK: int, HV: int, DK: int, DV: int, T: int, dtype=mx.bfloat16) -> dict:
@@ -269,12 +300,14 @@ def lossless(pair, tokenizer, prompts: list[str], max_tokens: int) -> Outcome:
     rows = []
     for i, text in enumerate(prompts):
         prompt = format_prompt(tokenizer, text)
-        reference = plain_tokens(pair, prompt, max_tokens)
+        reference = answer(plain_tokens(pair, prompt, max_tokens), pair.end_tokens)
         ours, tau = dflash_tokens(pair, prompt, max_tokens, None)
-        first = next((j for j, (a, b) in enumerate(zip(reference, ours)) if a != b), None)
-        row = {"prompt": i, "tokens": len(reference), "tau": tau, "first difference": first}
+        first = first_difference(reference, answer(ours, pair.end_tokens))
+        row = {"prompt": i, "tokens": len(reference), "DFlash tokens": len(ours), "tau": tau, "first difference": first}
         if first is None:
             row["verdict"] = "identical"
+        elif first == min(len(reference), len(ours)):
+            row["verdict"] = "DIFFERENT"  # one stopped early: no near-tie explains a missing token
         else:
             gap, ulps = top2_gap(pair, prompt + reference[:first])
             row.update({"top-2 gap": gap, "gap in ulps": ulps})
@@ -282,6 +315,19 @@ def lossless(pair, tokenizer, prompts: list[str], max_tokens: int) -> Outcome:
         rows.append(row)
     claim = f"a first difference only at a near-tie (<= {NEAR_TIE_ULPS} ulps)" if on_gpu else "token for token"
     return Outcome(rows, any(r["verdict"] == "DIFFERENT" for r in rows), f"claim here: {claim}")
+
+
+def answer(tokens: list[int], ends) -> list[int]:
+    """The tokens before the first end-of-sequence token (mlx-lm's generate_step yields it and goes
+    on; DFlash stops there)."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in ends), tokens)
+
+
+def first_difference(reference: list[int], ours: list[int]) -> Optional[int]:
+    """The first position where the two differ, counting the end of the shorter one; None when equal."""
+    if reference == ours:
+        return None
+    return next((j for j, (a, b) in enumerate(zip(reference, ours)) if a != b), min(len(reference), len(ours)))
 
 
 def top2_gap(pair, prefix: list[int]) -> tuple[float, float]:
@@ -393,7 +439,9 @@ class Once:
 
 def main(
     model: Optional[str] = typer.Option(None, "--model", help="Target (default: the offline SmolLM2 + its drafter)."),
-    quant: Optional[int] = typer.Option(None, "--quant", help="4 or 8: the mlx-community target of a short name."),
+    quant: Optional[int] = typer.Option(
+        None, "--quant", help="A short name's target: 16 (bf16), 8 or 4 (default: 8-bit where it fits, else 4-bit)."
+    ),
     gdn_model: str = typer.Option("Qwen3.5-4B", "--gdn-model", help="GatedDeltaNet target, 4-bit ('none': skip)."),
     prompts: int = typer.Option(4, "--prompts"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
@@ -404,6 +452,11 @@ def main(
 ):
     if quick:
         prompts, max_tokens = 1, 8
+    try:
+        writable(out, "report")
+    except PermissionError as e:
+        print(f"error: {e}; pass --out <a folder you can write>", file=sys.stderr)
+        raise SystemExit(2) from None
     report = Report(out, " ".join(["python bench/mac_check.py", *sys.argv[1:]]))
     pair = Once(lambda: load(model, quant=quant))
     texts = Once(lambda: mixed_prompts(PROMPT_SETS, prompts))
