@@ -69,7 +69,7 @@ def tiny_dirs(tmp_path_factory):
     return model_dir, root / "draft"
 
 
-WIDE = 32_768  # a window that holds every agent's first request
+WIDE = 65_536  # a window that holds every agent's first request, in the tiny tokenizer's many tokens
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,7 @@ def total_input(usage) -> int:
 
 def test_a_claude_code_turn_is_served_to_the_end_of_the_context(live, submitted):
     """max_tokens 32000 on a 4096-token model: cut to what the context leaves after the prompt,
-    the answer ends there with stop_reason max_tokens, equal to offline generation; the billing
+    the answer ends there with stop_reason model_context_window_exceeded, equal to offline generation; the billing
     header is not in the prompt, Claude Code's extra fields are taken or reported ignored."""
     body = claude_code_body([user_turn("fix the bug in add")])
     counted = httpx.post(
@@ -197,7 +197,7 @@ def test_a_claude_code_turn_is_served_to_the_end_of_the_context(live, submitted)
     assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
     start, delta = events[0]["message"]["usage"], events[-2]["usage"]
     assert total_input(start) == len(expected) and start["output_tokens"] == 0
-    assert events[-2]["delta"]["stop_reason"] == "max_tokens"
+    assert events[-2]["delta"]["stop_reason"] == "model_context_window_exceeded"  # not Claude Code's 32000
     assert delta["output_tokens"] == CONTEXT - len(expected) and total_input(delta) == len(expected)
     assert streamed_text(events) == offline(live, expected, CONTEXT - len(expected))
 
@@ -214,22 +214,33 @@ def test_a_prompt_longer_than_the_context_is_refused_by_name(live):
 
 
 def test_max_tokens_beyond_the_context_is_cut_in_every_api(live):
-    """The OpenAI endpoints share the cut: a prompt 20 tokens short of the context, any max_tokens."""
+    """The OpenAI endpoints share the cut: a prompt 20 tokens short of the context, any max_tokens.
+    The answer's end says it was the window's: Anthropic's model_context_window_exceeded; the
+    OpenAI references' only length reasons ("length", "max_output_tokens") with
+    usage.dflash.context_end; a client's own max_tokens is told apart."""
     prompt = [5] * (CONTEXT - 20)
     text = live.openai.completions.create(model="tiny", prompt=prompt, max_tokens=100000)
     assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 20
-    assert text.choices[0].text == offline(live, prompt, 20)
+    assert text.choices[0].text == offline(live, prompt, 20) and text.usage.dflash["context_end"] is True
     user = SENTENCE * 400
     chat = live.openai.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": user}], max_tokens=99999
     )
     room = CONTEXT - chat.usage.prompt_tokens
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == room < 200
+    assert chat.usage.dflash["context_end"] is True
     message = live.anthropic.messages.create(
         model="tiny", max_tokens=16000, messages=[{"role": "user", "content": user}]
     )
-    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == room
+    assert message.stop_reason == "model_context_window_exceeded" and message.usage.output_tokens == room
     assert message.content[0].text == chat.choices[0].message.content
+    response = live.openai.responses.create(model="tiny", input=[{"role": "user", "content": user}])  # none sent
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == room and response.usage.dflash["context_end"] is True
+    own = live.anthropic.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": user}])
+    assert own.stop_reason == "max_tokens" and own.usage.dflash["context_end"] is False
+    own = live.openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": user}], max_tokens=3)
+    assert own.choices[0].finish_reason == "length" and own.usage.dflash["context_end"] is False
 
 
 # ---------------------------------------------------------------- fields Claude Code and the SDK send

@@ -5,6 +5,7 @@ structured output and bind_tools.  The tiny model's weights are random: a forced
 only because the grammar leaves the model no other way."""
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal
 
@@ -347,7 +348,7 @@ def test_a_codex_turn_streams_what_offline_generation_writes(live):
     assert [item["type"] for item in done] == ["message"]
     final = events[-1]["response"]
     assert final["reasoning"] == body["reasoning"] and final["parallel_tool_calls"] is False
-    tools, _ = function_tools(body["tools"])
+    tools = function_tools(body["tools"]).functions
     messages = [{"role": "system", "content": body["instructions"]}] + input_messages(body["input"])
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == done[0]["content"][0]["text"] == offline_answer(live, messages, tools, 12)
@@ -413,7 +414,7 @@ def test_the_sdk_sends_codex_fields_and_gets_the_offline_answer(live):
         extra_body={"client_metadata": {"originator": "codex_cli_rs"}},
     )
     response = reply.parse()
-    tools, _ = function_tools([APPLY_PATCH, *RESPONSES_TOOLS])
+    tools = function_tools([APPLY_PATCH, *RESPONSES_TOOLS]).functions
     offline = offline_answer(live, [{"role": "system", "content": "Be brief."}, USER], tools, 10)
     assert (
         "x-dflash-ignored-fields" not in reply.headers and "ignored_fields" not in response.usage.model_extra["dflash"]
@@ -460,3 +461,39 @@ def test_langchain_bind_tools_required(live):
     (call,) = reply.tool_calls
     chosen = {"Search": Search, "Forecast": Forecast}[call["name"]]
     jsonschema.validate(call["args"], chosen.model_json_schema())
+
+
+# ---------------------------------------------------------------- a real client's request, replayed
+
+CODEX_REQUEST = Path(__file__).parent / "fixtures" / "codex-0.171.0-request.json"
+
+
+def test_codex_with_only_a_base_url_is_answered(wide_dirs, monkeypatch, caplog):
+    """Codex 0.171's own first request (recorded): its namespace's functions are offered under
+    their names and a call of one comes back naming its namespace; the hosted web_search is left
+    out of the prompt with one log line."""
+    body = {**json.loads(CODEX_REQUEST.read_text()), "model": "tiny"}
+    prompts = []
+    call = json.dumps({"name": "spawn_agent", "arguments": {"message": "look around"}})
+
+    def reply(prompt):
+        prompts.append(tokenizer.decode(prompt))
+        return ["<tool_call>", call, "</tool_call>"]
+
+    model, tokenizer = load(str(wide_dirs[0]), use_draft=False)
+    monkeypatch.setattr(worker, "BatchGenerator", scripted_batch(reply))
+    with (
+        caplog.at_level("INFO", logger="dflash_mlx.serve"),
+        live_server(model, tokenizer, prompt_cache_bytes=0) as live,
+    ):
+        with httpx.stream("POST", live.base + "/v1/responses", json=body, timeout=120) as answer:
+            assert answer.status_code == 200, answer.read()
+            events = sse_events(answer)
+    (prompt,) = prompts
+    assert '"name": "spawn_agent"' in prompt and '"name": "exec_command"' in prompt
+    assert "web_search" not in prompt and "multi_agent_v1" not in prompt
+    assert [r.getMessage() for r in caplog.records if "left out of the prompt" in r.getMessage()] == [
+        "left out of the prompt, run by the reference's servers and not here: tools[8] (web_search)"
+    ]
+    (item,) = events[-1]["response"]["output"]
+    assert item["type"] == "function_call" and item["name"] == "spawn_agent" and item["namespace"] == "multi_agent_v1"

@@ -137,7 +137,7 @@ def assert_configured(agent: str, record: dict, model_id: str, port: int) -> Non
         assert env["ANTHROPIC_MODEL"] == env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == model_id
         assert env["ANTHROPIC_AUTH_TOKEN"] and env["ANTHROPIC_API_KEY"] == ""
         assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == budget and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(WIDE)
-        assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in env  # 32k holds no compaction with Claude Code's margins
+        assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == str(WIDE)  # room to compact: first request, summary, reply
         assert env["DISABLE_TELEMETRY"] == env["DISABLE_ERROR_REPORTING"] == "1"
         assert record["answered"][1]["type"] == "message"
     elif agent == "codex":

@@ -30,7 +30,8 @@ class GenerationResponse:
     generation_tokens: int
     generation_tps: float
     peak_memory: float  # GB
-    finish_reason: Optional[str]  # None, "stop" or "length"
+    # None, "stop", "length" (max_tokens) or "context" (the context's end, where a server cut max_tokens to it)
+    finish_reason: Optional[str]
     tau: float  # mean tokens committed per target pass so far
     acceptance_histogram: list[int]  # [k-1] = cycles that committed k tokens
     block_size: int
@@ -187,7 +188,7 @@ class Responses:
         if stop_found:
             finish = "stop"
         elif finish is None and self.request.spent:
-            finish = "length"
+            finish = "context" if self.request.ends_at_context else "length"
         if finish and not stop_found:
             self.detokenizer.finalize()
             more, stop_found = self.stop_text.push(self.detokenizer.last_segment)

@@ -203,6 +203,7 @@ def build_request(
         checked.logprobs,
         grammar,
         stop=checked.stop,
+        ends_at_context=budget < checked.max_tokens,
     )
 
 
@@ -243,6 +244,7 @@ class Request:
     grammar: Optional[Grammar] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
     stop: tuple[str, ...] = ()  # stop strings: the text is cut at the first (api.generation.Responses)
+    ends_at_context: bool = False  # max_tokens was cut to the context's end (its finish is "context")
     # a prompt prefilled while idle (idle.py): no one reads its Step, and a request joining stops it
     background: bool = False
     uid: int = -1

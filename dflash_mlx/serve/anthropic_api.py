@@ -306,6 +306,8 @@ class _Message:
             return "tool_use", None
         if last.finish_reason == "length":
             return "max_tokens", None
+        if last.finish_reason == "context":  # the reference's words, which Claude Code reads as the window's end
+            return "model_context_window_exceeded", None
         if last.stop_sequence is not None:
             return "stop_sequence", last.stop_sequence
         return "end_turn", None

@@ -212,6 +212,12 @@ def chat_messages(messages) -> list[dict]:
     return normalised
 
 
+def reference_finish(finish: str) -> str:
+    """The engine's finish as the reference's finish_reason: its "length" covers the context's
+    end as well as max_tokens (usage.dflash.context_end tells them apart)."""
+    return "length" if finish == "context" else finish
+
+
 def _message(blocks: Blocks) -> dict:
     """A whole chat answer: its text, its reasoning (as vLLM and mlx-lm's server name it) and calls."""
     text, reasoning, calls = blocks.joined("text"), blocks.joined("reasoning"), blocks.calls()
@@ -335,7 +341,7 @@ class _Choices:
             blocks.stop()
             self._answered(blocks, last)
             content = _message(blocks) if self.chat else blocks.joined("text")
-            finish = "tool_calls" if self.chat and blocks.calls() else last.finish_reason
+            finish = "tool_calls" if self.chat and blocks.calls() else reference_finish(last.finish_reason)
             out.append(self._choice(index, content, finish, False, logprobs))
             finals.append(last)
             reasoning += blocks.joined("reasoning")
@@ -364,7 +370,9 @@ class _Choices:
                     steps += blocks.stop()
                     self._answered(blocks, last)
                 content = _delta(steps) if chat else "".join(text for _, _, text in steps)
-                finish = last.finish_reason and ("tool_calls" if chat and blocks.calls() else last.finish_reason)
+                finish = last.finish_reason and (
+                    "tool_calls" if chat and blocks.calls() else reference_finish(last.finish_reason)
+                )
                 said = content if not chat else content["content"] is not None or len(content) > 2
                 if finish or last.logprobs or said:
                     yield self._chunk(created, [self._choice(index, content, finish, True, last.logprobs)])

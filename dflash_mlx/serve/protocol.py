@@ -316,4 +316,7 @@ def decoding_stats(last) -> dict:
         "plain_cycles": last.sources.count("plain"),
         "block_size": last.block_size,
         "generation_tps": round(last.generation_tps, 2),
+        # the answer ran to the context's end (the OpenAI APIs' reasons, "length" and
+        # "max_output_tokens", say the same for a client's max_tokens)
+        "context_end": last.finish_reason == "context",
     }

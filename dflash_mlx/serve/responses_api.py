@@ -5,7 +5,11 @@ APIs (the body's common fields, errors, ignored fields, text.format, logprobs) i
 
 Custom tools (free-form input, such as Codex's apply_patch) are offered to the model as
 functions of one string argument, `input`, and their calls come back as custom_tool_call
-items.  A thinking model's reasoning comes as reasoning items whose content is its raw text
+items.  The tools of a `namespace` tool are offered under their own names, and a call of one
+names its namespace (Codex sends its sub-agent tools so); tools the reference's servers run
+(web_search and the like, HOSTED_TOOLS) are left out of the prompt, with a log line.  An answer
+cut by the context's end is `incomplete` with reason max_output_tokens, the reference's only
+reason for a length (usage.dflash.context_end says which).  A thinking model's reasoning comes as reasoning items whose content is its raw text
 (`reasoning_text` parts, streamed as response.reasoning_text.delta, as the reference streams raw
 reasoning; the model writes no summaries), before the message item; function calls as
 function_call items whose arguments stream as response.function_call_arguments.delta once the
@@ -16,8 +20,10 @@ include ["reasoning.encrypted_content"] is accepted (nothing here is encrypted).
 """
 
 import json
+import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Optional
 
 from .answer import AnswerParser, Block, Blocks, answer_events
@@ -48,6 +54,8 @@ from .protocol import (
     unknown_fields,
 )
 from .validation import OPENAI_RANGES, check_function_call_outputs, openai_out_of_range
+
+log = logging.getLogger("dflash_mlx.serve")
 
 RESPONSES_FIELDS = (
     SAMPLING_FIELDS
@@ -95,7 +103,8 @@ class ResponsesAPI:
             raise RequestError("input must be a non-empty string or a list of items", param="input")
         messages = _instructions(body) + input_messages(items)
         check_function_call_outputs(items)
-        tools, custom = function_tools(body.get("tools"))
+        offered = function_tools(body.get("tools"))
+        tools = offered.functions
         text_format = (body.get("text") or {}).get("format")
         grammar = format_grammar(self.served, text_format, "text.format", lambda value: value.get("schema"))
         tools, forced = choose_tools(self.served, tools, *openai_tool_choice(body.get("tool_choice")))
@@ -103,10 +112,10 @@ class ResponsesAPI:
         if grammar is not None:
             template = constrained(template)
         prompt = prompt_tokens(self.served.tokenizer, messages, tools, template=template)
-        return prompt, (messages, tools, template), custom, logprobs, grammar
+        return prompt, (messages, tools, template), offered, logprobs, grammar
 
     def create(self, body: dict) -> Call:
-        prompt, chat, custom, logprobs, grammar = self._request(body)
+        prompt, chat, offered, logprobs, grammar = self._request(body)
         # without max_output_tokens, an answer may run to the end of the context, as the reference's
         # do (Codex sends none, and reads a response.incomplete as a failed turn)
         request = engine_request(
@@ -123,7 +132,7 @@ class ResponsesAPI:
         stream = stream_flag(body)
         ignored = unknown_fields(body, RESPONSES_FIELDS)
         parser = AnswerParser.for_prompt(self.served.tokenizer, chat[1], prompt, constrained=grammar is not None)
-        response = _Response(self.served, body, chat, custom, ignored, parser)
+        response = _Response(self.served, body, chat, offered, ignored, parser)
         return Call([request], response, stream, ignored_header(ignored), chat)
 
 
@@ -157,14 +166,54 @@ def _instructions(body: dict) -> list[dict]:
     return [{"role": "system", "content": instructions}]
 
 
-def function_tools(raw_tools) -> tuple[list[dict], set[str]]:
-    """Responses tools as chat's function tools, and the names of the custom ones."""
+# tool types the reference's own servers run (its web search, file search, code interpreter ...):
+# a request may offer them, and they are left out of the prompt here, where nothing runs them
+HOSTED_TOOLS = {
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "code_interpreter",
+    "computer_use_preview",
+    "image_generation",
+    "mcp",
+    "local_shell",
+}
+
+
+@dataclass(frozen=True)
+class OfferedTools:
+    """A request's tools as chat's function tools; the names of the custom ones (their calls are
+    custom_tool_call items) and the namespace each namespaced function came in (its calls say it)."""
+
+    functions: list[dict]
+    custom: set[str]
+    namespaces: dict[str, str]
+
+
+def function_tools(raw_tools) -> OfferedTools:
+    """Responses tools as chat's function tools: function and custom tools, those inside a
+    `namespace` tool under their own names (Codex sends its sub-agent tools so); hosted tools
+    are left out, with a log line."""
     if raw_tools is None:
-        return [], set()
+        return OfferedTools([], set(), {})
     if not isinstance(raw_tools, list):
         raise RequestError("tools must be a list", param="tools")
-    custom = {t.get("name") for t in raw_tools if isinstance(t, dict) and t.get("type") == "custom"}
-    return check_tools([_as_function(t) if isinstance(t, dict) else t for t in raw_tools]), custom
+    offered, namespaces, hosted = [], {}, []
+    for i, tool in enumerate(raw_tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in HOSTED_TOOLS:
+            hosted.append(f"tools[{i}] ({kind})")
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            inner = tool["tools"]
+            namespaces.update({t.get("name"): tool.get("name") for t in inner if isinstance(t, dict)})
+            offered += inner
+        else:
+            offered.append(tool)
+    if hosted:
+        log.info("left out of the prompt, run by the reference's servers and not here: %s", ", ".join(hosted))
+    custom = {t.get("name") for t in offered if isinstance(t, dict) and t.get("type") == "custom"}
+    functions = check_tools([_as_function(t) if isinstance(t, dict) else t for t in offered])
+    return OfferedTools(functions, custom, namespaces)
 
 
 def _as_function(tool: dict) -> dict:
@@ -262,12 +311,12 @@ class _Response:
     stream of typed events the openai client parses.  Its output items are the answer's blocks
     (answer.Blocks): reasoning, message, function_call (or custom_tool_call) items, in order."""
 
-    def __init__(self, served: Served, body: dict, chat: tuple, custom: set, ignored: list[str], parser):
+    def __init__(self, served: Served, body: dict, chat: tuple, offered: OfferedTools, ignored: list[str], parser):
         """`chat`: the conversation's messages, the function tools offered and the template options;
-        `custom`: the names of the tools that are custom tools."""
+        `offered`: which of those tools are custom tools, and which came in a namespace."""
         self.served, self.body, self.ignored, self.parser = served, body, ignored, parser
         self.messages, self.tools, self.template = chat
-        self.custom = custom
+        self.custom, self.namespaces = offered.custom, offered.namespaces
         self.id = "resp_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.blocks, self.last, self.ids = Blocks(), None, {}
@@ -291,7 +340,7 @@ class _Response:
     def snapshot(self, status: Optional[str] = None) -> dict:
         output = self.output()
         last = self.last
-        incomplete = last is not None and last.finish_reason == "length"
+        incomplete = last is not None and last.finish_reason in ("length", "context")
         usage = None
         if last is not None:
             dflash = decoding_stats(last)
@@ -349,6 +398,8 @@ class _Response:
         call = block.call
         arguments = call["arguments"] if done else ""
         item = {"id": self._id(block), "call_id": call["id"], "name": call["name"], "status": status}
+        if call["name"] in self.namespaces:
+            item["namespace"] = self.namespaces[call["name"]]
         if call["name"] in self.custom:
             return {"type": "custom_tool_call", **item, "input": custom_input(arguments) if done else ""}
         return {"type": "function_call", **item, "arguments": arguments}
