@@ -112,6 +112,7 @@ class Server:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/", self.health, methods=["GET"]),  # Claude Code's HEAD / at start: a server is there
                 Route("/metrics", self.prometheus, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error},
