@@ -19,6 +19,8 @@ tests/test_agent_clis.py runs the same sessions on the tiny test model (slow tes
 import argparse
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -42,6 +44,7 @@ FILE = "hello.txt"
 CONTENT = "written by the scripted model\n"  # in the prompt only once the agent has run the call
 ASK = f"Create the file {FILE}."
 TIMEOUT = 300.0  # seconds an agent's session may take (the scripted model answers at once)
+TOO_LONG = re.compile(r"prompt is too long: (\d+) tokens")
 PATCH = f"*** Begin Patch\n*** Add File: {FILE}\n+{CONTENT.rstrip()}\n*** End Patch\n"
 
 
@@ -102,9 +105,10 @@ def scripted_reply(agent: str, folder: Path, tokenizer, seen: list[dict]):
     def reply(prompt: list[int]) -> list[str]:
         text = tokenizer.decode(prompt)
         call = None if CONTENT.rstrip() in text else tool_call(agent, folder, text)
-        seen.append({"prompt_tokens": len(prompt), "answer": "tool call" if call else "text"})
+        answered = CONTENT.rstrip() in text
+        seen.append({"prompt_tokens": len(prompt), "answer": "tool call" if call else "text", "after_result": answered})
         if call is None:
-            return ["Done: ", f"{FILE} ", "is written."] if CONTENT.rstrip() in text else ["Hello ", "file"]
+            return ["Done: ", f"{FILE} ", "is written."] if answered else ["Hello ", "file"]
         body = call_text(tokenizer, call)
         return [body[:12], body[12:]]
 
@@ -140,8 +144,11 @@ def scripted_server(model, tokenizer, reply, model_id: str = "scripted"):
         worker.BatchGenerator = original
 
 
-def run_session(agent: str, model, tokenizer, bin_dir: Path, timeout: float = TIMEOUT) -> dict:
-    """One agent's scripted session through `dflash-mlx launch --port`; what happened."""
+def run_session(
+    agent: str, model, tokenizer, bin_dir: Path, timeout: float = TIMEOUT, arguments: Optional[list[str]] = None
+) -> dict:
+    """One agent's scripted session through `dflash-mlx launch --port` (with `arguments` after
+    --, else agent_arguments'); what happened."""
     import logging
 
     seen: list[dict] = []
@@ -152,7 +159,7 @@ def run_session(agent: str, model, tokenizer, bin_dir: Path, timeout: float = TI
             lines.append(record.getMessage())
 
     keep = Keep()
-    access = logging.getLogger("dflash_mlx.serve.access")
+    access = logging.getLogger("dflash_mlx.serve")  # its access lines, and refusals with their reason
     access.addHandler(keep)
     previous_level = access.level
     access.setLevel(logging.INFO)
@@ -184,7 +191,7 @@ def run_session(agent: str, model, tokenizer, bin_dir: Path, timeout: float = TI
                 started = time.monotonic()
                 try:
                     done = subprocess.run(
-                        [*command, "--", *agent_arguments(agent)],
+                        [*command, "--", *(arguments or agent_arguments(agent))],
                         cwd=folder,
                         stdin=subprocess.DEVNULL,
                         env=env,
@@ -200,14 +207,19 @@ def run_session(agent: str, model, tokenizer, bin_dir: Path, timeout: float = TI
             access.removeHandler(keep)
             access.setLevel(previous_level)
         written = (folder / FILE).read_text() if (folder / FILE).is_file() else None
-    requests = [request_of(line) for line in lines]
+    requests = [request_of(line) for line in lines if not line.startswith("refused ")]
+    refusals = [line for line in lines if line.startswith("refused ")]
+    too_long = [int(m.group(1)) for m in map(TOO_LONG.search, refusals) if m]
     return {
         "agent": agent,
         "version": PINNED[agent].rsplit("@", 1)[1],
         "exit": status,
         "file_written": written == CONTENT,
         "answers": [s["answer"] for s in seen],
-        "first_prompt_tokens": max((s["prompt_tokens"] for s in seen if s["answer"] == "tool call"), default=None),
+        # the agent's first request: the largest before a tool result came back (a title request's is smaller)
+        "first_prompt_tokens": max((s["prompt_tokens"] for s in seen if not s["after_result"]), default=None)
+        or max(too_long, default=None),  # refused as longer than the window: its size is in the refusal
+        "refusals": refusals,
         "prompt_tokens": [s["prompt_tokens"] for s in seen],
         "requests": [r for r in requests if r],
         "seconds": round(seconds, 1),
@@ -250,6 +262,9 @@ def main():
         "--model", default=None, help="Whose tokenizer and chat template (default: SmolLM2-135M-Instruct)."
     )
     parser.add_argument("--out", default=None, help="Folder for results.json and table.md.")
+    parser.add_argument(
+        "--args", default=None, help="The agent's arguments instead of the tool task (one agent), e.g. '-p hi --bare'."
+    )
     args = parser.parse_args()
     from dflash_mlx import load
 
@@ -259,7 +274,8 @@ def main():
     model, tokenizer = load(args.model, use_draft=False)
     results = []
     for agent in args.agents.split(","):  # one at a time: the machine is shared
-        results.append(run_session(agent, model, tokenizer, bin_dir))
+        arguments = shlex.split(args.args) if args.args else None
+        results.append(run_session(agent, model, tokenizer, bin_dir, arguments=arguments))
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("stdout", "stderr")}), flush=True)
     lines = table(results)
     print("\n".join(lines))

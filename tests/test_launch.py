@@ -300,11 +300,11 @@ def test_each_agent_is_told_whether_it_may_compact():
 
 def test_a_window_too_small_for_the_first_request_names_what_fits():
     claude = AGENTS["claude"]
-    assert claude.first_request_with([]) == 22643 and claude.first_request_with(["--bare", "-p", "hi"]) == 1076
-    assert claude.first_request_with(["--tools", "Read,Write"]) == 2206
+    assert claude.first_request_with([]) == 22662 and claude.first_request_with(["--bare", "-p", "hi"]) == 1141
+    assert claude.first_request_with(["--tools", "Read,Write"]) == 2278
     assert claude.first_request_with(["--tools", "Bash"]) is None  # not measured: not refused
-    message = fit(claude, 8192, 22643, "SmolLM2-135M-Instruct")
-    assert "cannot hold Claude Code's first request (~22,643 tokens)" in message
+    message = fit(claude, 8192, 22662, "SmolLM2-135M-Instruct")
+    assert "cannot hold Claude Code's first request (~22,662 tokens)" in message
     assert "`--bare`" in message and "`--tools Read,Write`" in message
     assert fit(claude, 8192, 1076, "m") is None and fit(claude, 8192, None, "m") is None
     assert "`--bare`" not in fit(claude, 1200, 22643, "m")  # nothing the agent can pass fits: a model
