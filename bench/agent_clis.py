@@ -10,8 +10,13 @@ OpenCode); only the tokens are scripted.  Reported per agent: exit status, wheth
 what the call wrote, its requests (route and status), its first request's prompt tokens with the
 served tokenizer, and seconds.
 
-    python bench/agent_clis.py --out bench/results/agent-clis          # SmolLM2's tokenizer
-    python bench/agent_clis.py --agents codex --model path/to/model    # another tokenizer
+    python bench/agent_clis.py --loopback-only --out bench/results/agent-clis   # SmolLM2's tokenizer
+    python bench/agent_clis.py --agents codex --model path/to/model             # another tokenizer
+
+`--loopback-only` runs the sessions in a network namespace of their own with only loopback up
+(`unshare -rn`), so nothing reaches beyond the machine: the CLIs are installed first, and
+OpenCode's provider package must already be in its cache (~/.cache/opencode, from one run with
+the network).
 
 tests/test_agent_clis.py runs the same sessions on the tiny test model (slow tests).
 """
@@ -255,6 +260,18 @@ def table(results: list[dict]) -> list[str]:
     return lines
 
 
+ISOLATED_ENV = "DFLASH_MLX_AGENT_CLIS_ISOLATED"  # set inside the loopback-only namespace
+
+
+def loopback_only(argv: list[str]) -> Optional[list[str]]:
+    """`argv` run in a network namespace of its own with only loopback up (no way out of the
+    machine), or None where this system cannot make one (no unshare, no user namespaces)."""
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if unshare is None or ip is None or subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode:
+        return None
+    return [unshare, "-rn", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh", *argv]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", default="claude,codex,opencode")
@@ -265,17 +282,28 @@ def main():
     parser.add_argument(
         "--args", default=None, help="The agent's arguments instead of the tool task (one agent), e.g. '-p hi --bare'."
     )
+    parser.add_argument(
+        "--loopback-only",
+        action="store_true",
+        help="Run the sessions in a network namespace with only loopback (the CLIs installed first).",
+    )
     args = parser.parse_args()
-    from dflash_mlx import load
-
     bin_dir, why = installed_clis()
     if bin_dir is None:
         sys.exit(f"skipped: {why}")
+    if args.loopback_only and not os.environ.get(ISOLATED_ENV):
+        isolated = loopback_only([sys.executable, *sys.argv])
+        if isolated is None:
+            sys.exit("--loopback-only: this system cannot make a network namespace (unshare -rn)")
+        os.execve(isolated[0], isolated, {**os.environ, ISOLATED_ENV: "1"})
+    from dflash_mlx import load
+
     model, tokenizer = load(args.model, use_draft=False)
     results = []
     for agent in args.agents.split(","):  # one at a time: the machine is shared
         arguments = shlex.split(args.args) if args.args else None
-        results.append(run_session(agent, model, tokenizer, bin_dir, arguments=arguments))
+        session = run_session(agent, model, tokenizer, bin_dir, arguments=arguments)
+        results.append({**session, "network": "loopback only" if os.environ.get(ISOLATED_ENV) else "host"})
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("stdout", "stderr")}), flush=True)
     lines = table(results)
     print("\n".join(lines))

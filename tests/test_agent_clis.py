@@ -2,8 +2,12 @@
 installed by npm into the cache folder) through `dflash-mlx launch`, each completing a tool loop
 against the real server whose engine answers by script (tiny test model's tokenizer): the agent
 calls its file-writing tool, the file is written, the result goes back, the model answers, and
-the agent exits 0.  Skipped, with the reason, where npm cannot provide the CLIs."""
+the agent exits 0.  The sessions run in a network namespace with only loopback where the system
+can make one (bench/agent_clis.py --loopback-only), else on the host's network.  Skipped, with the
+reason, where npm cannot provide the CLIs."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +19,9 @@ pytestmark = pytest.mark.slow  # npm (once), then three agents' sessions
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 
-from agent_clis import installed_clis, run_session  # noqa: E402
+from agent_clis import installed_clis, loopback_only, run_session  # noqa: E402
+
+AGENTS = ["claude", "codex", "opencode"]
 
 # the route each agent's API is served on, and a status it must get there
 ROUTES = {
@@ -34,18 +40,25 @@ def clis():
 
 
 @pytest.fixture(scope="module")
-def tiny(wide_dirs):
-    """The tiny model's tokenizer writes many tokens per word: Claude Code's first request needs
-    the wide window."""
+def sessions(clis, wide_dirs, tmp_path_factory):
+    """The three agents' sessions on the tiny model (its tokenizer writes many tokens per word:
+    Claude Code's first request needs the wide window), loopback only where possible."""
+    bench = Path(__file__).parent.parent / "bench" / "agent_clis.py"
+    out = tmp_path_factory.mktemp("agent-clis")
+    command = [sys.executable, str(bench), "--model", str(wide_dirs[0]), "--out", str(out)]
+    if loopback_only(["true"]) is not None:
+        done = subprocess.run([*command, "--loopback-only"], capture_output=True, text=True, timeout=1200)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return {r["agent"]: r for r in json.loads((out / "results.json").read_text())}
     from dflash_mlx import load
 
-    return load(str(wide_dirs[0]), use_draft=False)
+    model, tokenizer = load(str(wide_dirs[0]), use_draft=False)
+    return {agent: {**run_session(agent, model, tokenizer, clis), "network": "host"} for agent in AGENTS}
 
 
-@pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
-def test_the_agent_completes_a_tool_loop_through_launch(agent, clis, tiny):
-    model, tokenizer = tiny
-    session = run_session(agent, model, tokenizer, clis)
+@pytest.mark.parametrize("agent", AGENTS)
+def test_the_agent_completes_a_tool_loop_through_launch(agent, sessions):
+    session = sessions[agent]
     assert session["exit"] == 0, session
     assert session["file_written"], session  # the call's content, by the agent's own tool
     assert "tool call" in session["answers"], session
