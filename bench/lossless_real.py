@@ -33,6 +33,7 @@ from dflash_mlx import load
 from dflash_mlx.api import format_prompt
 from dflash_mlx.bench.prompt_sets import mixed_prompts
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.kernels.fused_ops import unfused
 from dflash_mlx.io.progress import add_task, progress
 from dflash_mlx.sampling import SamplingParams
@@ -58,7 +59,7 @@ def plain_tokens(pair, prompt: list[int], max_tokens: int) -> list[int]:
 
 def dflash_tokens(pair, prompt: list[int], max_tokens: int, block_size: Optional[int]) -> tuple[list[int], float]:
     out, cycles = [], 0
-    for step in decode(pair, mx.array(prompt), SamplingParams(), max_tokens, block_size):
+    for step in decode(pair, Request(list(prompt), max_tokens, SamplingParams(), block_size=block_size)):
         out += step.tokens
         cycles += 1
     return out, len(out) / max(cycles, 1)

@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 from dflash_mlx.api.registry import DEFAULT_DRAFT
 from dflash_mlx.convert.smollm2 import smollm2_path
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.drafters import load_draft
 from dflash_mlx.drafters.precision import DRAFT_QUANTS, FLOAT, DraftPrecision, apply_precision, draft_precision
@@ -51,13 +52,13 @@ def gpu_megabytes(precision: DraftPrecision) -> float:
 def run(target: Target, draft, prompts: list[list[int]], max_tokens: int) -> tuple[str, float]:
     """(tau with the standard error of its mean over the cycles, tokens per second) over `prompts`."""
     model = DFlashModel(target, draft)
-    for _ in decode(model, mx.array(prompts[0]), SamplingParams(), BLOCK, BLOCK):
+    for _ in decode(model, Request(list(prompts[0]), BLOCK, SamplingParams(), block_size=BLOCK)):
         pass  # compiles the fused ops outside the timing
     lengths, tokens, seconds = [], 0, 0.0
     for prompt in prompts:
         stats = DecodeStats()
         tic = time.perf_counter()
-        for step in decode(model, mx.array(prompt), SamplingParams(), max_tokens, BLOCK, stats):
+        for step in decode(model, Request(list(prompt), max_tokens, SamplingParams(), block_size=BLOCK), stats=stats):
             tokens += len(step.tokens)
         seconds += time.perf_counter() - tic
         lengths += stats.accepted_lengths

@@ -23,6 +23,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx.distributed import DistributedError
 from dflash_mlx.distributed.pipeline import PipelineTarget
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
@@ -41,7 +42,9 @@ def layers_held(target) -> int:
 def generate(target, draft, block_size):
     out = []
     for step in decode(
-        DFlashModel(target, draft), mx.array(PROMPT), SamplingParams(), MAX_TOKENS, block_size, DecodeStats()
+        DFlashModel(target, draft),
+        Request(list(PROMPT), MAX_TOKENS, SamplingParams(), block_size=block_size),
+        stats=DecodeStats(),
     ):
         out += step.tokens
     return out

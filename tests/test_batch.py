@@ -1,6 +1,7 @@
 """Batched DFlash decoding: every request's output equals what it gets alone, on every family."""
 
 import random
+from types import SimpleNamespace
 from collections import Counter
 
 import mlx.core as mx
@@ -115,7 +116,7 @@ def test_batched_greedy_is_lossless(model_type):
     oracle, references = oracle_for(target, PROMPTS, 40)
     for draft in (oracle, random_draft(target, block_size=5), random_dflash2(target, block_size=4)):
         decoder = Decoder(DFlashModel(target, draft))
-        uids = [decoder.add(Request(list(p), 40, SamplingParams())) for p in PROMPTS]
+        uids = [decoder.add(Request(list(p), 40, SamplingParams())).uid for p in PROMPTS]
         out = run(decoder)
         for uid, prompt, reference in zip(uids, PROMPTS, references):
             assert out[uid] == reference[len(prompt) : len(prompt) + 40], (model_type, type(draft).__name__)
@@ -134,7 +135,7 @@ def test_computing_ahead_after_drafting_steps_is_lossless(model_type, monkeypatc
     for max_batch in (1, 8):
         ran.clear()
         decoder = Decoder(DFlashModel(target, oracle), max_batch=max_batch)
-        uids = [decoder.add(Request(list(p), 24, SamplingParams())) for p in PROMPTS]
+        uids = [decoder.add(Request(list(p), 24, SamplingParams())).uid for p in PROMPTS]
         drafting = 0
         out = {}
         while decoder.busy:
@@ -155,7 +156,7 @@ def test_rows_keep_different_lengths_in_one_step():
     decoder = Decoder(DFlashModel(target, oracle))
     stats = [DecodeStats() for _ in PROMPTS]
     for prompt, s in zip(PROMPTS, stats):
-        decoder.add(Request(list(prompt), 40, SamplingParams(), stats=s))
+        decoder.add(Request(list(prompt), 40, SamplingParams()), stats=s)
     mixed = 0
     while decoder.busy:
         step = decoder.step()
@@ -172,7 +173,7 @@ def test_rows_join_and_leave_mid_decode(monkeypatch):
     oracle, references = oracle_for(target, prompts, 40)
     decoder = Decoder(DFlashModel(target, oracle))
     limits = [1, 7, 40]
-    uids = [decoder.add(Request(list(p), n, SamplingParams())) for p, n in zip(PROMPTS, limits)]
+    uids = [decoder.add(Request(list(p), n, SamplingParams())).uid for p, n in zip(PROMPTS, limits)]
     out, late, cancel, cancelled_at, sizes = {}, None, None, None, []
     for steps in range(1000):
         if not decoder.busy:
@@ -182,8 +183,8 @@ def test_rows_join_and_leave_mid_decode(monkeypatch):
         for uid, s in step.steps.items():
             out.setdefault(uid, []).extend(s.tokens)
         if steps == 6:
-            late = decoder.add(Request(list(prompts[3]), 30, SamplingParams()))
-            cancel = decoder.add(Request(list(PROMPTS[0]), 40, SamplingParams()))
+            late = decoder.add(Request(list(prompts[3]), 30, SamplingParams())).uid
+            cancel = decoder.add(Request(list(PROMPTS[0]), 40, SamplingParams())).uid
         if cancelled_at is None and len(out.get(cancel, [])) >= 5:
             decoder.remove(cancel)
             cancelled_at = len(out[cancel])
@@ -204,14 +205,14 @@ def test_a_request_filling_alone_decodes_on_the_cache_it_was_prefilled_into(monk
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 20)
     decoder = Decoder(DFlashModel(target, oracle), max_batch=3)
-    first = decoder.add(Request(list(PROMPTS[2]), 20))
+    first = decoder.add(Request(list(PROMPTS[2]), 20)).uid
     filled_into = []
     while decoder.cache is None:
         filled_into.append(decoder.fill_cache)
         decoder.step()
     assert decoder.cache is filled_into[-1]  # handed over, not copied
     out = {first: decoder.rows[0].output[:]}
-    late = decoder.add(Request(list(PROMPTS[0]), 20))
+    late = decoder.add(Request(list(PROMPTS[0]), 20)).uid
     decoding = decoder.cache
     while decoder.busy:
         for uid, step in decoder.step().steps.items():
@@ -273,7 +274,7 @@ def run_recorded(target, prompts: list, max_tokens: int):
     oracle, references = oracle_for(target, prompts, max_tokens)
     recording = Recording(target)
     decoder = Decoder(DFlashModel(recording, oracle))
-    uids = [decoder.add(Request(list(p), max_tokens, SamplingParams())) for p in prompts]
+    uids = [decoder.add(Request(list(p), max_tokens, SamplingParams())).uid for p in prompts]
     out, steps = {}, []
     while decoder.busy:
         passes = len(recording.prefills)
@@ -305,27 +306,27 @@ def test_prefixes_are_reused_by_requests_filling_together(model_type, overrides)
     for wave, hits in ((first, [0, 0]), (second, [len(first[0]) - 1, len(first[1]) - 1, 0])):
         decoder = Decoder(model, prompt_cache=cache)
         stats = [DecodeStats() for _ in wave]
-        uids = [decoder.add(Request(list(p), 16, SamplingParams(), stats=s)) for p, s in zip(wave, stats)]
+        uids = [decoder.add(Request(list(p), 16, SamplingParams()), stats=s).uid for p, s in zip(wave, stats)]
         out = run(decoder)
         for uid, prompt in zip(uids, wave):
-            assert out[uid] == [t for s in decode(model, mx.array(prompt), SamplingParams(), 16) for t in s.tokens]
+            assert out[uid] == [t for s in decode(model, Request(list(prompt), 16, SamplingParams())) for t in s.tokens]
         # cuttable caches may reuse an earlier answer's state one token further than its prompt's
         assert all(h <= s.cached_tokens <= h + (1 if h and kv_only else 0) for s, h in zip(stats, hits))
     alone = DecodeStats()
     warm = [
         t
-        for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16, stats=alone, prompt_cache=cache)
+        for s in decode(model, Request(list(second[0] + [11]), 16, SamplingParams()), prompt_cache=cache, stats=alone)
         for t in s.tokens
     ]
     assert alone.cached_tokens in (len(second[0]) - 1, len(second[0]) if kv_only else -1)
-    assert warm == [t for s in decode(model, mx.array(second[0] + [11]), SamplingParams(), 16) for t in s.tokens]
+    assert warm == [t for s in decode(model, Request(list(second[0] + [11]), 16, SamplingParams())) for t in s.tokens]
 
 
 def test_padding_is_dropped_when_rows_leave():
     target = tiny_target("llama", seed=2)
     decoder = Decoder(DFlashModel(target, random_draft(target, block_size=4)))
-    short = decoder.add(Request(list(PROMPTS[1]), 30, SamplingParams()))
-    long = decoder.add(Request(list(PROMPTS[2]), 6, SamplingParams()))
+    short = decoder.add(Request(list(PROMPTS[1]), 30, SamplingParams())).uid
+    long = decoder.add(Request(list(PROMPTS[2]), 6, SamplingParams())).uid
     sizes = []
     while any(row.uid == long for row in decoder.rows + decoder.filling + decoder.waiting):
         sizes.append(decoder.step().size)
@@ -338,7 +339,7 @@ def test_sliding_window_smaller_than_the_context():
     target = tiny_target("llama", seed=3, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=6)
     oracle, references = oracle_for(target, PROMPTS, 40, seed=1)
     decoder = Decoder(DFlashModel(target, oracle))
-    uids = [decoder.add(Request(list(p), 40, SamplingParams())) for p in PROMPTS]
+    uids = [decoder.add(Request(list(p), 40, SamplingParams())).uid for p in PROMPTS]
     out, windows = {}, []
     while decoder.busy:
         step = decoder.step()
@@ -358,11 +359,11 @@ def test_seeded_sampling_equals_the_same_seed_alone(model_type):
     model = DFlashModel(target, random_draft(target, block_size=4))
     params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
     alone = [
-        [t for s in decode(model, mx.array(p), sp, 30, seed=7 + i) for t in s.tokens]
+        [t for s in decode(model, Request(list(p), 30, sp, seed=7 + i)) for t in s.tokens]
         for i, (p, sp) in enumerate(zip(PROMPTS, params))
     ]
     decoder = Decoder(model)
-    uids = [decoder.add(Request(list(p), 30, sp, seed=7 + i)) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    uids = [decoder.add(Request(list(p), 30, sp, seed=7 + i)).uid for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     out = run(decoder)
     assert [out[u] for u in uids] == alone
 
@@ -376,7 +377,7 @@ def cost_model(per_token: float) -> CostModel:
 
 def decode_all(decoder: Decoder, references: list, max_tokens: int = 30) -> list:
     """Decode PROMPTS in one batch; each step's (size, width).  Asserts every output exact."""
-    uids = [decoder.add(Request(list(p), max_tokens, SamplingParams())) for p in PROMPTS]
+    uids = [decoder.add(Request(list(p), max_tokens, SamplingParams())).uid for p in PROMPTS]
     shapes, out = [], {}
     while decoder.busy:
         step = decoder.step()
@@ -454,7 +455,7 @@ def test_passes_over_some_rows_of_a_batch_are_exact(model_type):
     oracle, references = oracle_for(target, PROMPTS, 30)
     recorded = Recording(target)
     decoder = Decoder(DFlashModel(recorded, oracle, planner=Apart(cost_model(0.1), 6)))
-    uids = [decoder.add(Request(list(p), 30, SamplingParams())) for p in PROMPTS]
+    uids = [decoder.add(Request(list(p), 30, SamplingParams())).uid for p in PROMPTS]
     out, apart = {}, 0
     while decoder.busy:
         passes, prefills = len(recorded.passes), len(recorded.prefills)
@@ -473,11 +474,11 @@ def test_sampled_rows_verified_apart_draw_what_they_draw_alone():
     draft = random_draft(target, block_size=4)
     params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
     alone = [
-        [t for s in decode(DFlashModel(target, draft), mx.array(p), sp, 30, seed=7 + i) for t in s.tokens]
+        [t for s in decode(DFlashModel(target, draft), Request(list(p), 30, sp, seed=7 + i)) for t in s.tokens]
         for i, (p, sp) in enumerate(zip(PROMPTS, params))
     ]
     decoder = Decoder(DFlashModel(target, draft, planner=Apart(cost_model(0.1), 4)))
-    uids = [decoder.add(Request(list(p), 30, sp, seed=7 + i)) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    uids = [decoder.add(Request(list(p), 30, sp, seed=7 + i)).uid for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     out, apart = {}, 0
     while decoder.busy:
         step = decoder.step()
@@ -523,7 +524,8 @@ def test_step_times_learnt_over_long_contexts_do_not_judge_short_ones():
     assert times.ratio(1, 4, context_class(1800)) == pytest.approx(2.0)  # its class: guessed from it
     assert times.ratio(1, 8, context_class(300)) == 1.0  # the curve, until a short step has run
     planner = Planner(cost_model(0.1), 8, step_times=times)
-    long_row, short_row = Request(list(range(2000)), 10), Request(list(range(300)), 10)
+    # what the planner reads of a row here: its context and sampling (plan.Row)
+    long_row, short_row = (SimpleNamespace(context_length=n, params=SamplingParams()) for n in (2000, 300))
     assert planner.seconds([long_row], [Plan(8, "dflash")]) == pytest.approx(
         2 * planner.seconds([short_row], [Plan(8, "dflash")])
     )
@@ -618,7 +620,7 @@ def test_a_token_bound_keeps_long_requests_apart():
     longest = max(len(p) for p in PROMPTS) + 20
     for bound, most_rows in ((2 * longest, 2), (longest - 1, 1), (10 * longest, 3)):
         decoder = Decoder(model, max_batch_tokens=bound)
-        uids = [decoder.add(Request(list(p), 20, SamplingParams())) for p in PROMPTS]
+        uids = [decoder.add(Request(list(p), 20, SamplingParams())).uid for p in PROMPTS]
         sizes, out = [], {}
         while decoder.busy:
             step = decoder.step()
@@ -679,7 +681,7 @@ def test_memory_returns_to_its_baseline_after_a_load(monkeypatch):
     decoder = Decoder(model, max_batch=4)
 
     def wave(k: int) -> None:
-        uids = [decoder.add(Request(list(p * (k + 1)), 24, SamplingParams())) for p in PROMPTS + PROMPTS]
+        uids = [decoder.add(Request(list(p * (k + 1)), 24, SamplingParams())).uid for p in PROMPTS + PROMPTS]
         decoder.step()
         assert uids[2] in [row.uid for row in decoder.filling]  # 30 x (k + 1) prompt tokens
         decoder.remove(uids[2])
@@ -711,11 +713,12 @@ def test_answers_decoded_together_serve_their_next_turns(model_type):
     for turn in range(2):
         decoder = Decoder(model, prompt_cache=cache, max_batch=4)
         requests = [Request(list(p), 12 + 4 * i) for i, p in enumerate(prompts)]
-        uids = [decoder.add(r) for r in requests]
+        rows = [decoder.add(r) for r in requests]
+        uids = [row.uid for row in rows]
         out = run(decoder)
-        for uid, prompt, request in zip(uids, prompts, requests):
-            alone = [t for s in decode(model, mx.array(prompt), SamplingParams(), request.max_tokens) for t in s.tokens]
-            assert out[uid] == alone
+        for row, prompt, request in zip(rows, prompts, requests):
+            alone = [t for s in decode(model, request) for t in s.tokens]
+            assert out[row.uid] == alone
             if turn:
-                assert request.stats.cached_tokens >= len(prompt) - 4, (model_type, request.stats.cached_tokens)
+                assert row.stats.cached_tokens >= len(prompt) - 4, (model_type, row.stats.cached_tokens)
         prompts = [p + out[uid] + [7, 8, 9] for p, uid in zip(prompts, uids)]

@@ -17,6 +17,7 @@ from dflash_mlx.convert.models import convert_draft, convert_target
 from dflash_mlx.drafters.precision import quantize_draft
 from dflash_mlx.drafters import DFlashDraftModel, DraftLoadError, load_draft, save_draft
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from gguf_fixtures import write_gguf
@@ -138,7 +139,9 @@ def test_targets_convert_load_and_decode_losslessly(tmp_path):
         reference = [int(t) for t, _ in generate_step(prompt, model.target.model, max_tokens=20)]
         out = [
             t
-            for s in decode(DFlashModel(model.target, drafter), prompt, SamplingParams(), 20, stats=DecodeStats())
+            for s in decode(
+                DFlashModel(model.target, drafter), Request(prompt.tolist(), 20, SamplingParams()), stats=DecodeStats()
+            )
             for t in s.tokens
         ]
         assert out == reference

@@ -11,6 +11,7 @@ import pytest
 from dflash_mlx.decode import verify as engine
 from dflash_mlx.drafters import DraftLoadError, load_draft, save_draft
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from test_engine import PROMPTS, plain_greedy
@@ -27,7 +28,7 @@ def target():
 def run(target, draft, prompt, params=SamplingParams(), seed=None, block_size=None):
     return [
         t
-        for s in decode(DFlashModel(target, draft), mx.array(prompt), params, 40, block_size, seed=seed)
+        for s in decode(DFlashModel(target, draft), Request(list(prompt), 40, params, seed=seed, block_size=block_size))
         for t in s.tokens
     ]
 

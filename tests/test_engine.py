@@ -8,6 +8,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
@@ -50,7 +51,11 @@ def plain_greedy(target, prompt, max_tokens=MAX_TOKENS):
 def dflash_greedy(target, draft, prompt, max_tokens=MAX_TOKENS, block_size=None):
     stats = DecodeStats()
     out = []
-    for step in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens, block_size, stats):
+    for step in decode(
+        DFlashModel(target, draft),
+        Request(list(prompt), max_tokens, SamplingParams(), block_size=block_size),
+        stats=stats,
+    ):
         out += step.tokens
     return out, stats
 
@@ -85,7 +90,9 @@ def test_the_first_token_comes_from_the_prompts_own_pass(target):
     token is the prefill's alone; decoding goes on from it, exactly."""
     counting = Recording(target)
     prompt = PROMPTS[2]
-    steps = decode(DFlashModel(counting, random_draft(target, block_size=4)), mx.array(prompt), SamplingParams(), 12)
+    steps = decode(
+        DFlashModel(counting, random_draft(target, block_size=4)), Request(list(prompt), 12, SamplingParams())
+    )
     first = next(steps)
     assert counting.passes == [(1, len(prompt))]
     out = first.tokens + [token for step in steps for token in step.tokens]
@@ -256,7 +263,7 @@ def test_decoding_wires_memory_and_runs_on_the_generation_stream(monkeypatch, ca
     monkeypatch.setattr(mx, "stream", lambda s: streams.append(s) or real_stream(s))
     target = tiny_target("llama", seed=5)
     model = DFlashModel(target, random_draft(target, block_size=4))
-    out = [t for s in decode(model, mx.array(PROMPTS[0]), SamplingParams(), 8) for t in s.tokens]
+    out = [t for s in decode(model, Request(list(PROMPTS[0]), 8, SamplingParams())) for t in s.tokens]
     assert len(out) == 8 and limits == [1000, 7]  # raised to the recommended size, then restored
     assert "close to the maximum recommended size" in capsys.readouterr().out  # tiny, but 1000 bytes is less
     assert streams and all(s is generation_stream for s in streams)
@@ -272,4 +279,4 @@ def test_a_prompt_outside_the_vocabulary_is_refused(prompt):
     changes from run to run), so the decoder refuses such ids as the API does."""
     target = tiny_target("qwen3")
     with pytest.raises(ValueError, match=r"is outside the vocabulary \(0\.\.96\)"):
-        next(decode(DFlashModel(target, None), mx.array(prompt), SamplingParams(), 4))
+        next(decode(DFlashModel(target, None), Request(list(prompt), 4, SamplingParams())))

@@ -2,7 +2,6 @@
 its next request will begin) into the prompt cache, on a row beyond max_batch; a request joining
 stops that, unless it continues that very prompt, which it then waits for and restores."""
 
-import mlx.core as mx
 import pytest
 
 from dflash_mlx.cache.prompt_cache import PromptCache
@@ -25,7 +24,7 @@ def model(monkeypatch):
 
 
 def cold(model, prompt, max_tokens=12):
-    return [t for step in decode(model, mx.array(prompt), SamplingParams(), max_tokens) for t in step.tokens]
+    return [t for step in decode(model, Request(list(prompt), max_tokens, SamplingParams())) for t in step.tokens]
 
 
 def background(decoder):
@@ -36,9 +35,7 @@ def test_an_idle_prefill_runs_beside_a_full_batch_unless_a_running_answer_holds_
     cache = PromptCache()
     decoder = Decoder(model, cache, max_batch=2)
     decoder.idle.min_tokens = 2
-    rows = [Request([9, k] * 4, 30) for k in range(2)]
-    for row in rows:
-        decoder.add(row)
+    rows = [decoder.add(Request([9, k] * 4, 30)) for k in range(2)]
     while len(decoder.rows) < 2 or not rows[0].output[2:]:
         decoder.step()
     decoder.prefill_when_idle(rows[0].prompt + rows[0].output[:2])  # the running answer holds it
@@ -63,8 +60,7 @@ def test_a_request_stops_an_idle_prefill(model):
     decoder.prefill_when_idle(offered)
     decoder.step()
     assert background(decoder) == [offered]
-    other = Request(list(range(10, 20)), 6)
-    decoder.add(other)
+    other = decoder.add(Request(list(range(10, 20)), 6))
     steps = []
     while decoder.busy:
         steps.append(decoder.step().steps)
@@ -79,8 +75,7 @@ def test_a_request_continuing_an_idle_prefill_waits_for_it_and_restores_it(model
     offered = list(range(40, 80))
     decoder.prefill_when_idle(offered)
     decoder.step()
-    own = Request(offered + [7, 8], 10)
-    decoder.add(own)
+    own = decoder.add(Request(offered + [7, 8], 10))
     decoder.step()
     assert background(decoder) == [offered] and decoder.waiting == [own]  # waiting for it, not beside it
     while decoder.busy:
@@ -92,8 +87,7 @@ def test_a_request_continuing_an_idle_prefill_waits_for_it_and_restores_it(model
 def test_an_offer_a_request_already_asked_for_is_not_prefilled(model):
     cache = PromptCache()
     decoder = Decoder(model, cache, max_batch=2)
-    request = Request(list(range(40, 60)), 4)
-    decoder.add(request)
+    decoder.add(Request(list(range(40, 60)), 4))
     decoder.prefill_when_idle(list(range(40, 50)))  # the request came first
     assert not decoder.idle.prompts
     decoder.prefill_when_idle(list(range(40, 70)))  # further on: still worth a prefill
@@ -110,8 +104,7 @@ def test_without_a_prompt_cache_nothing_is_prefilled(model):
 def test_a_decoder_of_one_row_prefills_only_when_nothing_decodes(model):
     cache = PromptCache()
     decoder = Decoder(model, cache, max_batch=1)
-    row = Request(list(range(10, 20)), 8)
-    decoder.add(row)
+    row = decoder.add(Request(list(range(10, 20)), 8))
     decoder.step()
     decoder.prefill_when_idle(list(range(40, 80)))
     while row.left > 0:

@@ -73,7 +73,7 @@ def tiny(tiny_dirs):
 
 
 def run(decoder: Decoder, requests: list[Request]) -> dict[int, list[int]]:
-    uids = [decoder.add(r) for r in requests]
+    uids = [decoder.add(r).uid for r in requests]
     out = {uid: [] for uid in uids}
     while decoder.busy:
         for uid, step in decoder.step().steps.items():
@@ -92,7 +92,7 @@ def test_a_failed_step_fails_its_requests_and_keeps_nothing_of_them(tiny, max_ba
     model = replace(tiny, target=faulty, suffixes=SuffixStore())
     cache = PromptCache(piece_tokens=8)
     decoder = Decoder(model, cache, max_batch=max_batch)
-    uids = [decoder.add(Request(list(p), 24)) for p in PROMPTS]
+    uids = [decoder.add(Request(list(p), 24)).uid for p in PROMPTS]
     decoder.step()  # prefill; the first tokens out
     decoder.step()
     faulty.arm(1)  # the fault: the next step's second pass, after its first fed the caches
@@ -124,9 +124,8 @@ def test_a_row_whose_tokens_are_refused_fails_alone(tiny):
     model = replace(tiny, suffixes=SuffixStore())
     cache = PromptCache(piece_tokens=8)
     decoder = Decoder(model, cache, max_batch=4)
-    requests = [Request(list(p), 24) for p in PROMPTS]
-    requests[1].grammar = RefusingGrammar(at=4)
-    uids = [decoder.add(r) for r in requests]
+    requests = [Request(list(p), 24, grammar=RefusingGrammar(at=4) if i == 1 else None) for i, p in enumerate(PROMPTS)]
+    uids = [decoder.add(r).uid for r in requests]
     out, failed = {uid: [] for uid in uids}, {}
     while decoder.busy:
         step = decoder.step()

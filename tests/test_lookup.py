@@ -6,6 +6,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx.decode.costs import CostModel
 from dflash_mlx.decode.plan import Planner
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.decode.lookup import NO_MATCH, Match, PromptLookup
 from dflash_mlx.sampling import SamplingParams
@@ -77,7 +78,7 @@ COST = CostModel([1, 2, 4, 8], [0.010, 0.011, 0.013, 0.017], 0.004, 0.0005)
 
 def decoded(model, params=SamplingParams(), seed=None, max_tokens=48):
     stats, clock = DecodeStats(), getattr(model.target, "clock", None)
-    steps = decode(model, mx.array(PROMPT), params, max_tokens, stats=stats, seed=seed, clock=clock)
+    steps = decode(model, Request(list(PROMPT), max_tokens, params, seed=seed), clock=clock, stats=stats)
     return [t for s in steps for t in s.tokens], stats
 
 

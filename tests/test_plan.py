@@ -275,8 +275,7 @@ def test_adaptive_decoding_is_lossless_and_adapts():
         clock = Clock(cost)
         model = DFlashModel(Timed(target, clock), drafter, planner=Planner(cost, 16))
         decoder = Decoder(model, max_batch=1, clock=clock)
-        request = Request(prompt, 40)
-        decoder.add(request)
+        request = decoder.add(Request(prompt, 40))
         out = []
         while decoder.busy:
             out += [t for step in decoder.step().steps.values() for t in step.tokens]
@@ -297,7 +296,9 @@ def test_decode_without_a_planner_is_lossless_at_every_fixed_width():
         stats = DecodeStats()
         out = [
             t
-            for s in decode(DFlashModel(target, drafter), mx.array(prompt), SamplingParams(), 30, block, stats)
+            for s in decode(
+                DFlashModel(target, drafter), Request(list(prompt), 30, SamplingParams(), block_size=block), stats=stats
+            )
             for t in s.tokens
         ]
         assert out == reference[:30] and max(stats.widths) == block

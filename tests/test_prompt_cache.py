@@ -31,7 +31,7 @@ def run(model, prompt, cache=None, params=SamplingParams(), seed=None):
     stats = DecodeStats()
     tokens = [
         t
-        for s in decode(model, mx.array(prompt), params, 24, stats=stats, seed=seed, prompt_cache=cache)
+        for s in decode(model, Request(list(prompt), 24, params, seed=seed), prompt_cache=cache, stats=stats)
         for t in s.tokens
     ]
     return tokens, stats.cached_tokens
@@ -76,12 +76,10 @@ def test_cached_prompts_decode_exactly_as_cold(model_type, overrides):
 def run_batched(model, prompts, cache):
     """`prompts` decoded together in one batch: each one's tokens and cached prefix length."""
     decoder = Decoder(model, cache, max_batch=len(prompts))
-    requests = [Request(list(prompt), 24) for prompt in prompts]
-    for request in requests:
-        decoder.add(request)
+    rows = [decoder.add(Request(list(prompt), 24)) for prompt in prompts]
     while decoder.busy:
         decoder.step()
-    return [(request.output, request.stats.cached_tokens) for request in requests]
+    return [(row.output, row.stats.cached_tokens) for row in rows]
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
@@ -154,9 +152,7 @@ def test_a_request_does_not_wait_for_a_prefill_that_would_give_it_little_more_th
     common = list(range(87, 97))
     prompts = [system + common + [5, 6, 7], system + common + [8, 9]]
     decoder = Decoder(model, cache, max_batch=2)
-    requests = [Request(prompt, 24) for prompt in prompts]
-    for request in requests:
-        decoder.add(request)
+    requests = [decoder.add(Request(prompt, 24)) for prompt in prompts]
     assert set(decoder.step().steps) == {request.uid for request in requests}
     while decoder.busy:
         decoder.step()
@@ -172,15 +168,13 @@ def test_a_prompt_prefilled_for_later_is_kept_without_joining_the_decoding_rows(
     model = DFlashModel(target, random_draft(target, block_size=4))
     cache = PromptCache()
     decoder = Decoder(model, cache, max_batch=3)
-    decoding = Request(SYSTEM + [5, 6], 24)
-    decoder.add(decoding)
+    decoding = decoder.add(Request(SYSTEM + [5, 6], 24))
     decoder.step()
     decoder.step()
     reshaped = []
     for name in ("extend", "keep_rows"):
         monkeypatch.setattr(decoder.cache, name, lambda *args, name=name: reshaped.append(name))
-    later = Request(SYSTEM[::-1] + [7], 1)
-    decoder.add(later)
+    later = decoder.add(Request(SYSTEM[::-1] + [7], 1))
     assert later.uid in decoder.step().steps
     assert decoder.rows == [decoding] and not reshaped
     monkeypatch.undo()
@@ -200,13 +194,10 @@ def test_a_request_restores_what_it_shares_with_a_row_decoding():
     system = list(range(3, 3 + SHARED_MIN + 20))
     cache = PromptCache()
     decoder = Decoder(model, cache, max_batch=3)
-    first = Request(system + [5, 6, 7], 24)
-    decoder.add(first)
+    first = decoder.add(Request(system + [5, 6, 7], 24))
     decoder.step()  # prefilled: decoding
     decoder.step()
-    later = [Request(system + [5, 6, 7], 24), Request(system[:-10] + [9], 24)]
-    for request in later:
-        decoder.add(request)
+    later = [decoder.add(Request(system + [5, 6, 7], 24)), decoder.add(Request(system[:-10] + [9], 24))]
     while decoder.busy:
         decoder.step()
     assert [r.stats.cached_tokens for r in later] == [len(system) + 2, len(system) - 10]
@@ -285,7 +276,7 @@ def test_an_answer_closed_early_is_kept_too():
     target = tiny_target("qwen3_5", seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
     cache = PromptCache()
-    steps = decode(model, mx.array(SYSTEM), SamplingParams(), 24, prompt_cache=cache)
+    steps = decode(model, Request(list(SYSTEM), 24, SamplingParams()), prompt_cache=cache)
     said = [t for _, step in zip(range(3), steps) for t in step.tokens]
     steps.close()
     answer, cached = run(model, SYSTEM + said + [1, 2], cache)

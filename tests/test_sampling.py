@@ -10,7 +10,7 @@ import pytest
 from dflash_mlx import sampling
 from dflash_mlx.decode.decoder import Decoder, decode
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
-from dflash_mlx.decode.request import Request
+from dflash_mlx.decode.request import Request, check_values
 from dflash_mlx.sampling import SamplingParams, probabilities
 from tiny_models import random_dflash2, random_draft, tiny_target
 
@@ -50,24 +50,20 @@ def sample_joint(model, params, n, seed, stats=None, rows=1):
         for _ in range(n):
             tokens = [
                 t
-                for step in decode(model, mx.array(PROMPT), params, LENGTH, block_size=3, stats=stats)
+                for step in decode(model, Request(list(PROMPT), LENGTH, params, block_size=3), stats=stats)
                 for t in step.tokens
             ]
             counts[tuple(tokens)] += 1
         return counts
     for start in range(0, n, rows):
         decoder = Decoder(model, max_batch=rows)
-        requests = [
-            Request(list(PROMPT), LENGTH, params, block_size=3, stats=stats if stats is not None else DecodeStats())
-            for _ in range(min(rows, n - start))
-        ]
-        for request in requests:
-            decoder.add(request)
+        request = Request(list(PROMPT), LENGTH, params, block_size=3)
+        added = [decoder.add(request, stats) for _ in range(min(rows, n - start))]
         while decoder.busy:
             decoder.step()
         decoder.close()
-        for request in requests:
-            counts[tuple(request.output)] += 1
+        for row in added:
+            counts[tuple(row.output)] += 1
     return counts
 
 
@@ -144,12 +140,18 @@ def test_seeded_runs_are_reproducible(pair):
     target, draft = pair
     params = SamplingParams(temp=1.0)
     runs = [
-        [t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30, seed=42) for t in step.tokens]
+        [
+            t
+            for step in decode(DFlashModel(target, draft), Request(list(PROMPT), 30, params, seed=42))
+            for t in step.tokens
+        ]
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
     other = [
-        t for step in decode(DFlashModel(target, draft), mx.array(PROMPT), params, 30, seed=43) for t in step.tokens
+        t
+        for step in decode(DFlashModel(target, draft), Request(list(PROMPT), 30, params, seed=43))
+        for t in step.tokens
     ]
     assert other != runs[0]
 
@@ -161,7 +163,7 @@ def test_seeded_output_does_not_depend_on_the_widths(pair):
     other_draft = random_draft(target, seed=11, block_size=3)
     for params in (SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9, top_k=4)):
         reference = [
-            t for step in decode(DFlashModel(target), mx.array(PROMPT), params, 40, seed=7) for t in step.tokens
+            t for step in decode(DFlashModel(target), Request(list(PROMPT), 40, params, seed=7)) for t in step.tokens
         ]
         for model, width in [
             (DFlashModel(target, draft), 2),
@@ -170,7 +172,9 @@ def test_seeded_output_does_not_depend_on_the_widths(pair):
             (DFlashModel(target, random_dflash2(target, seed=4, block_size=3)), 3),
         ]:
             tokens = [
-                t for step in decode(model, mx.array(PROMPT), params, 40, block_size=width, seed=7) for t in step.tokens
+                t
+                for step in decode(model, Request(list(PROMPT), 40, params, seed=7, block_size=width))
+                for t in step.tokens
             ]
             assert tokens == reference
 
@@ -200,23 +204,24 @@ def test_an_unfiltered_choice_is_the_argmax_of_the_normalised_scores():
 
 
 def test_invalid_sampling_parameters_are_refused():
+    """Sampling values are checked where a request is built (decode/request.check_values)."""
     for bad in (
-        dict(temp=-1),
+        dict(temperature=-1),
         dict(top_p=0),
         dict(top_p=1.5),
         dict(top_k=-2),
-        dict(temp=float("nan")),
-        dict(temp=float("inf")),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
         dict(top_p=float("nan")),
         dict(top_k=1.5),
     ):
-        with pytest.raises(ValueError, match=next(iter(bad)).replace("_", "[-_]").replace("temp", "temp")):
-            SamplingParams(**bad)
-    with pytest.raises(TypeError, match="temp"):
-        SamplingParams(temp="hot")
-    assert sampling.check_seed(-1) == 2**64 - 1 and sampling.check_seed(10**30) < 2**64
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            check_values(1, **bad)
+    with pytest.raises(TypeError, match="temperature"):
+        check_values(1, temperature="hot")
+    assert check_values(1, seed=-1).seed == 2**64 - 1 and check_values(1, seed=10**30).seed < 2**64
     with pytest.raises(TypeError, match="seed"):
-        sampling.check_seed(1.5)
+        check_values(1, seed=1.5)
 
 
 def test_greedy_accept_counts_the_agreeing_prefix():

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from dflash_mlx import format_prompt
 from dflash_mlx.cli import app
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
@@ -46,7 +47,7 @@ def dflash(target, draft, prompt, max_tokens=MAX_TOKENS):
     stats = DecodeStats()
     out = [
         t
-        for s in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens, stats=stats)
+        for s in decode(DFlashModel(target, draft), Request(list(prompt), max_tokens, SamplingParams()), stats=stats)
         for t in s.tokens
     ]
     return out, stats

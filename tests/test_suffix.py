@@ -79,8 +79,7 @@ def test_a_request_copies_an_earlier_answer_losslessly(max_batch):
     passes = []
     for _ in range(2):
         decoder = Decoder(model, max_batch=max_batch, clock=clock)
-        request = Request(prompt, 40)
-        decoder.add(request)
+        request = decoder.add(Request(prompt, 40))
         if max_batch > 1:
             decoder.add(Request([9, 8, 7, 6], 40))
         while decoder.busy:

@@ -17,6 +17,7 @@ from dflash_mlx.convert.models import convert_draft
 from dflash_mlx.train.data import Example, read_data, read_datasets
 from dflash_mlx.drafters import load_draft
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.train.corpus import Window
@@ -311,7 +312,7 @@ def test_trained_drafter_round_trips_and_is_lossless(trained):
         stats = DecodeStats()
         out_tokens = [
             t
-            for s in decode(DFlashModel(target, reloaded), prompt, SamplingParams(), 30, stats=stats)
+            for s in decode(DFlashModel(target, reloaded), Request(prompt.tolist(), 30, SamplingParams()), stats=stats)
             for t in s.tokens
         ]
         assert out_tokens == reference
@@ -349,7 +350,7 @@ def test_dflash2_training_learns_and_stays_lossless(tmp_path):
         stats = DecodeStats()
         got = [
             t
-            for s in decode(DFlashModel(target, reloaded), prompt, SamplingParams(), 24, stats=stats)
+            for s in decode(DFlashModel(target, reloaded), Request(prompt.tolist(), 24, SamplingParams()), stats=stats)
             for t in s.tokens
         ]
         assert got == reference

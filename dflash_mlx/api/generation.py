@@ -8,10 +8,10 @@ from typing import Iterator, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..decode.decoder import BatchStep, Decoder, StepFailed, decode_alone, warm_up
+from ..decode.decoder import BatchStep, Decoder, StepFailed, decode, warm_up
 from ..decode.grammar import Grammar
 from ..io.progress import add_task, progress
-from ..decode.model import DFlashModel, Step
+from ..decode.model import DecodeStats, DFlashModel, Step
 from ..cache.prompt_cache import PromptCache
 from ..decode.request import Bounds, Request, build_request
 from ..sampling import TokenLogprob
@@ -163,8 +163,8 @@ class Responses:
     """A request's Steps as GenerationResponses: detokenized, cut at EOS, a stop string or
     max_tokens (the response that ends it has a finish_reason)."""
 
-    def __init__(self, tokenizer: TokenizerWrapper, request: Request):
-        self.request, self.stats = request, request.stats
+    def __init__(self, tokenizer: TokenizerWrapper, request: Request, stats: DecodeStats):
+        self.request, self.stats = request, stats
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
         self.stop_text = _StopText(request.stop)
@@ -187,7 +187,7 @@ class Responses:
         text, stop_found = self.stop_text.push(self.detokenizer.last_segment)
         if stop_found:
             finish = "stop"
-        elif finish is None and self.request.spent:
+        elif finish is None and step.spent:
             finish = "context" if self.request.ends_at_context else "length"
         if finish and not stop_found:
             self.detokenizer.finalize()
@@ -225,7 +225,7 @@ class Responses:
             block_size=stats.block_size,
             widths=list(stats.widths),
             sources=list(stats.sources),
-            adaptive=self.request.adaptive,
+            adaptive=stats.adaptive,
             cached_tokens=stats.cached_tokens,
             logprobs=token_logprobs,
             stop_sequence=stop_sequence,
@@ -253,8 +253,9 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     request = make_request(model, tokenizer, prompt, max_tokens, **options)
     mx.reset_peak_memory()
-    steps = decode_alone(model, request, prompt_cache)
-    responses = Responses(tokenizer, request)
+    stats = DecodeStats()
+    steps = decode(model, request, prompt_cache, stats=stats)
+    responses = Responses(tokenizer, request, stats)
     for step in steps:
         response = responses.push(step)
         if response.finish_reason:
@@ -304,9 +305,9 @@ class BatchGenerator:
 
     def add(self, request: Request) -> int:
         """Queue a request built and checked already (make_request, decode/request.build_request); its uid."""
-        uid = self.decoder.add(request)
-        self.responses[uid] = Responses(self.tokenizer, request)  # a detokenizer of its own
-        return uid
+        row = self.decoder.add(request)
+        self.responses[row.uid] = Responses(self.tokenizer, request, row.stats)  # a detokenizer of its own
+        return row.uid
 
     @property
     def waiting(self) -> list[int]:

@@ -32,7 +32,6 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..kernels.fused_ops import fusing
-from .grammar import Grammar
 from .idle import IdlePrefills
 from .model import DecodeStats, DFlashModel, Step
 from .plan import PLAIN, Plan, fixed_plan, step_passes
@@ -41,7 +40,7 @@ from .prefill import fill_chunk
 from .prefix import PrefixPolicy
 from .rows import joined, run_ahead, settled, without
 from .verify import Pass, verify_pass, verify_passes
-from .request import Request
+from .request import Request, Row
 from ..sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -106,11 +105,11 @@ class Decoder:
         self.model, self.clock = model, clock or time.perf_counter
         self.prefix = PrefixPolicy(model, prompt_cache)
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
-        self.rows: list[Request] = []  # decoding, in the cache's row order
+        self.rows: list[Row] = []  # decoding, in the cache's row order
         self.cache = None  # TargetCache (max_batch 1) or BatchTargetCache
-        self.filling: list[Request] = []  # prefilling together, in the fill cache's row order
+        self.filling: list[Row] = []  # prefilling together, in the fill cache's row order
         self.fill_cache = None
-        self.waiting: list[Request] = []  # queued until there is room
+        self.waiting: list[Row] = []  # queued until there is room
         self.idle = IdlePrefills(prompt_cache, max_batch)
         self._queued: Optional[Pass] = None  # the next plain pass, already running
         self._read_at = 0.0  # when the last step's tokens were read
@@ -127,13 +126,13 @@ class Decoder:
     def busy(self) -> bool:
         return bool(self.rows or self.filling or self.waiting or self.idle.prompts)
 
-    def add(self, request: Request) -> int:
-        """Queue a request; its uid.  Its Steps come out of step()."""
-        request.uid, self._next_uid = self._next_uid, self._next_uid + 1
-        request.begin(self.model)
-        self.waiting.append(request)
+    def add(self, request: Request, stats: Optional[DecodeStats] = None) -> Row:
+        """Queue a request; its row (its uid, what it committed, its statistics: into `stats`
+        when given).  Its Steps come out of step()."""
+        row, self._next_uid = Row(request, self._next_uid, self.model, stats), self._next_uid + 1
+        self.waiting.append(row)
         self.idle.asked(request.prompt)
-        return request.uid
+        return row
 
     def prefill_when_idle(self, prompt: list[int]) -> None:
         """Prefill `prompt` into the prompt cache once no request waits (idle.py: the latest
@@ -220,7 +219,7 @@ class Decoder:
         if not self.waiting:
             self._start_idle_prefill()
 
-    def _start(self, row: Request) -> None:
+    def _start(self, row: Row) -> None:
         """`row` starts its prefill."""
         if self._queued is None:  # (a queued pass, never there while requests wait, would have fed one more token)
             self.prefix.keep_shared(row, self.rows, self.cache)
@@ -240,7 +239,7 @@ class Decoder:
             self.add(Request(prompt, 1, block_size=1, background=True))
             self._start(self.waiting.pop())
 
-    def _room_for(self, row: Request) -> bool:
+    def _room_for(self, row: Row) -> bool:
         others = [other for other in self.rows + self.filling if not other.background]
         if len(others) >= self.max_batch:
             return False
@@ -286,7 +285,7 @@ class Decoder:
                 self._enter([rows[i] for i in entering], joined(None, joining, self.max_batch > 1))
         return bool(done)
 
-    def _enter(self, rows: list[Request], joining) -> None:
+    def _enter(self, rows: list[Row], joining) -> None:
         """Rows holding all of their prompt (in `joining`, their cache) and their first token
         join the decoding rows; a long prefill is kept for reuse."""
         for i, row in enumerate(rows):
@@ -361,7 +360,7 @@ class Decoder:
             settled(self.cache)  # the copy is not the pass's: it would teach the planner a dear shape
         return passes
 
-    def _queue_next(self, rows: list[Request], current: Pass) -> None:
+    def _queue_next(self, rows: list[Row], current: Pass) -> None:
         """After a plain pass, the next one too when nothing joins, no row ends or has a grammar
         (whose next mask needs this token) and the plan ahead is plain for every row."""
         if self.waiting or self.filling or any(row.left <= 1 or row.constraint is not None for row in rows):
@@ -382,43 +381,17 @@ class Decoder:
 
 def decode(
     model: DFlashModel,
-    prompt: mx.array,
-    params: SamplingParams,
-    max_tokens: int,
-    block_size: Optional[int] = None,
-    stats: Optional[DecodeStats] = None,
-    seed: Optional[int] = None,
-    prompt_cache: Optional[PromptCache] = None,
-    logprobs: Optional[int] = None,
-    grammar: Optional[Grammar] = None,
-    clock: Optional[Callable[[], float]] = None,
-) -> Iterator[Step]:
-    """One request decoded alone (a batch of one): its Steps until `max_tokens` are out (the
-    caller stops earlier on EOS or stop strings by closing the generator).  Arguments as
-    request.Request's; with a `prompt_cache`, the longest prefix it holds is restored
-    instead of prefilled."""
-    request = Request(
-        prompt.tolist(),
-        max_tokens,
-        params,
-        seed,
-        block_size,
-        logprobs,
-        grammar,
-        stats if stats is not None else DecodeStats(),
-    )
-    return decode_alone(model, request, prompt_cache, clock)
-
-
-def decode_alone(
-    model: DFlashModel,
     request: Request,
     prompt_cache: Optional[PromptCache] = None,
     clock: Optional[Callable[[], float]] = None,
+    stats: Optional[DecodeStats] = None,
 ) -> Iterator[Step]:
-    """`request`'s Steps, decoded alone (timed by `clock`, time.perf_counter by default)."""
+    """One request decoded alone (a batch of one): its Steps until its max_tokens are out (the
+    caller stops earlier on EOS or stop strings by closing the generator), timed by `clock`
+    (time.perf_counter by default), its statistics into `stats`.  With a `prompt_cache`, the
+    longest prefix it holds is restored instead of prefilled."""
     decoder = Decoder(model, prompt_cache, max_batch=1, clock=clock)
-    uid = decoder.add(request)
+    uid = decoder.add(request, stats).uid
     try:
         while decoder.busy:
             try:

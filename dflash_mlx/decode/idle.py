@@ -8,7 +8,7 @@ from collections import deque
 from typing import Optional
 
 from ..cache.prompt_cache import PromptCache
-from .request import Request
+from .request import Row
 
 
 def extends(prompt: list[int], prefix: list[int]) -> bool:
@@ -40,7 +40,7 @@ class IdlePrefills:
         for stale in [p for p in self.prompts if extends(prompt, p)]:
             self.prompts.remove(stale)
 
-    def next(self, rows: list[Request]) -> Optional[list[int]]:
+    def next(self, rows: list[Row]) -> Optional[list[int]]:
         """The latest offer, unless the prompt cache or a decoding row's tokens (its answer so far,
         where its text reads back as the model wrote it) hold all of it but min_tokens; None
         when there is nothing worth a pass."""

@@ -44,6 +44,7 @@ class DecodeStats:
     """Tokens committed per cycle (accepted drafts + the target's own token)."""
 
     block_size: int = 1
+    adaptive: bool = False  # the planner chose the widths
     accepted_lengths: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # verify width of each cycle (1 = plain)
     sources: list[str] = field(default_factory=list)  # what proposed each cycle: plain, dflash, lookup or suffix
@@ -85,3 +86,4 @@ class Step:
     tokens: list[int]  # committed this cycle, in order
     accepted: int  # how many of them were draft tokens
     logprobs: Optional[list[TokenLogprob]] = None  # per token, when asked for
+    spent: bool = False  # the request's max_tokens are out with these tokens (request.Row.spent)

@@ -145,7 +145,7 @@ def copy_prior(kind: str) -> float:
 
 
 class Row(Protocol):
-    """What the planner reads of a request (request.Request)."""
+    """What the planner reads of a request (request.Row)."""
 
     adaptive: bool  # its width follows the plan (no fixed block size asked for)
     block: int  # its widest verify

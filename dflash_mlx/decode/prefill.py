@@ -7,12 +7,12 @@ from ..sampling import choose
 from .grammar import masked
 from .model import DFlashModel
 from .prefix import PrefixPolicy
-from .request import Request
+from .request import Row
 from .rows import tree_arrays
 
 
 def fill_chunk(
-    model: DFlashModel, rows: list[Request], cache, size: int, prefix: PrefixPolicy, awaited: list
+    model: DFlashModel, rows: list[Row], cache, size: int, prefix: PrefixPolicy, awaited: list
 ) -> tuple[dict[int, mx.array], mx.array]:
     """The next chunk of each row's prompt (`size` tokens in all, fewer where the prefix policy
     ends a chunk at a snapshot) through the target in one pass on `cache`, its features into

@@ -10,7 +10,7 @@ from ..cache.prompt_cache import PromptCache
 from ..target.wrapper import TargetCache
 from .idle import extends
 from .model import DFlashModel
-from .request import Request
+from .request import Row
 
 SHARED_MIN = 64  # a prefix shared with a prompt being prefilled worth waiting for (keeping its state costs a copy)
 
@@ -34,7 +34,7 @@ class PrefixPolicy:
         # a cache that cannot be cut back is snapshotted along long prefills (prompt_cache.py)
         self.snapshot_every = prompt_cache and prompt_cache.snapshot_interval(model.target.make_cache())
 
-    def restore(self, request: Request) -> tuple[TargetCache, int]:
+    def restore(self, request: Row) -> tuple[TargetCache, int]:
         """A target cache holding the longest prefix of the request's prompt the prompt cache
         has (its drafter context restored) and that prefix's length; else a fresh cache and 0."""
         if self.cache is not None and (hit := self.cache.fetch(request.prompt)) is not None:
@@ -44,7 +44,7 @@ class PrefixPolicy:
         request.stats.cached_tokens = start
         return tcache, start
 
-    def keep_answer(self, row: Request, cache, i: int, fed: list[int]) -> None:
+    def keep_answer(self, row: Row, cache, i: int, fed: list[int]) -> None:
         """A leaving row's answer into the model's store of answers, and its state (row `i` of
         `cache`, holding the tokens `fed`) into the prompt cache."""
         if row.suffixes is not None:
@@ -52,7 +52,7 @@ class PrefixPolicy:
         if self.cache is not None:
             self.cache.store(fed, cache.extract(i), row.context.flush())
 
-    def keep_prefill(self, row: Request, cache, i: int, at_least: int) -> None:
+    def keep_prefill(self, row: Row, cache, i: int, at_least: int) -> None:
         """A row that has just prefilled its prompt, kept now when it prefilled `at_least` tokens
         (other requests may share it before this one ends); else the state after the answer,
         kept when the row leaves, serves the next turn and a retry alike (a cache that cannot be
@@ -61,11 +61,11 @@ class PrefixPolicy:
         if self.cache is not None and prefilled >= at_least and not self.snapshot_every:
             self.cache.store(row.prompt, cache.extract(i), row.context.flush())
 
-    def cut_back(self, row: Request) -> bool:
+    def cut_back(self, row: Row) -> bool:
         """Whether a kept state of another prompt serves `row` up to where they part."""
         return self.snapshot_every is None and all(c.window is None for c in row.context.cache or [])
 
-    def awaited(self, row: Request, filling: list[Request]) -> Optional[tuple[Request, int]]:
+    def awaited(self, row: Row, filling: list[Row]) -> Optional[tuple[Row, int]]:
         """The filling request that has not yet prefilled the tokens its prompt shares with `row`'s,
         SHARED_MIN or more of them beyond what the prompt cache holds for `row` already (two turns
         of one conversation, say, differ only in their new tokens: waiting would save none), and
@@ -86,7 +86,7 @@ class PrefixPolicy:
                 return other, shared
         return None
 
-    def keep_shared(self, row: Request, rows: list[Request], cache) -> None:
+    def keep_shared(self, row: Row, rows: list[Row], cache) -> None:
         """A decoding row's state (of `rows`, in `cache`, each holding all it committed but its
         last token) kept for `row` to restore when their tokens share SHARED_MIN or more beyond
         what the prompt cache holds (a prompt too short to be kept at its prefill's end, asked
@@ -100,7 +100,7 @@ class PrefixPolicy:
                 self.cache.store(other.fed, cache.extract(i), other.context.flush())
                 return
 
-    def chunk_length(self, row: Request, span: int) -> int:
+    def chunk_length(self, row: Row, span: int) -> int:
         """`span` tokens, or fewer to end at the next snapshot along the prompt (the last
         before its last token is one: a retried prompt restores it)."""
         if not self.snapshot_every:
@@ -108,14 +108,14 @@ class PrefixPolicy:
         filled = len(row.prompt) - len(row.unfilled)
         return min(span, self.snapshot_every - filled % self.snapshot_every, max(len(row.unfilled) - 1, 1))
 
-    def awaited_by(self, waiting: list[Request], filling: list[Request]) -> list[tuple[Request, int]]:
+    def awaited_by(self, waiting: list[Row], filling: list[Row]) -> list[tuple[Row, int]]:
         """What the `waiting` requests wait for (where caches can be cut back, a row's state is
         kept once it has passed that; where they cannot, the snapshots along the prefill serve)."""
         if self.snapshot_every:
             return []
         return [a for w in waiting if (a := self.awaited(w, filling))]
 
-    def keep_along(self, row: Request, cache, i: int, awaited: list[tuple[Request, int]]) -> None:
+    def keep_along(self, row: Row, cache, i: int, awaited: list[tuple[Row, int]]) -> None:
         """A row part-way through its prefill (row `i` of `cache`) kept at a snapshot point, or
         once it has passed what a waiting request waits for."""
         if not row.unfilled:

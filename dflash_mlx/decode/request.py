@@ -1,12 +1,12 @@
-"""One request's decoding state: its prompt and sampling, the noise of its output
-positions, the drafter's context of target features, its prompt lookup (and the model's
-session-wide store of earlier answers), its grammar, its
-acceptance estimates and its statistics.  The step (decoder.py) reads it and `record`s
-what each cycle committed."""
+"""A request: what the caller asked (Request, built and checked once by build_request, never
+changed) and what the decoder tracks of it (Row: the noise of its output positions, the
+drafter's context of target features, its prompt lookup and the model's session-wide store of
+earlier answers, its grammar state, the planner's acceptance estimates, its output and
+statistics).  The step (decoder.py) reads a Row and `record`s what each cycle committed."""
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
@@ -229,11 +229,12 @@ def _within_context(prompt: int, max_tokens: int, context: Optional[int], cut: b
     return context - prompt
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
-    """A request as the step sees it.  `block_size` None lets the planner choose its widths
-    (when the model has one); `logprobs` asks for the target's log-probabilities of each
-    token with that many top alternatives; a `grammar` masks the target's choice."""
+    """What a caller asked, built and checked once (build_request) and never changed.
+    `block_size` None lets the planner choose its widths (when the model has one); `logprobs`
+    asks for the target's log-probabilities of each token with that many top alternatives; a
+    `grammar` masks the target's choice; `stop` strings cut the text (api.generation.Responses)."""
 
     prompt: list[int]
     max_tokens: int
@@ -242,40 +243,54 @@ class Request:
     block_size: Optional[int] = None
     logprobs: Optional[int] = None
     grammar: Optional[Grammar] = None
-    stats: DecodeStats = field(default_factory=DecodeStats)
-    stop: tuple[str, ...] = ()  # stop strings: the text is cut at the first (api.generation.Responses)
+    stop: tuple[str, ...] = ()
     ends_at_context: bool = False  # max_tokens was cut to the context's end (its finish is "context")
     # a prompt prefilled while idle (idle.py): no one reads its Step, and a request joining stops it
     background: bool = False
-    uid: int = -1
-    # set when decoding starts (begin)
-    block: int = 1  # its widest verify (its block size; 1 without a drafter)
-    adaptive: bool = False
-    context: Optional[Context] = None
-    lookup: Optional[PromptLookup] = None
-    suffixes: Optional[SuffixStore] = None  # the model's earlier answers (suffix.py)
-    noise: Optional[Noise] = None
-    constraint: object = None  # the grammar's state
-    estimates: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate (plan.py)
-    since_draft: int = 0
-    copy_widths: dict = field(default_factory=dict)  # copy kind -> widest next proposal (plan.py)
-    unfilled: list[int] = field(default_factory=list)  # prompt tokens still to prefill
-    token: int = -1  # the last committed token
-    output: list[int] = field(default_factory=list)  # every committed token
 
-    def begin(self, model: DFlashModel) -> None:
-        """Ready to decode with `model`: its drafter context, noise, lookup and grammar state."""
-        self.adaptive = model.draft is not None and self.block_size is None and model.planner is not None
-        self.block = 1 if model.draft is None else (self.block_size or model.draft.block_size)
-        self.stats.block_size = self.block
+
+class Row:
+    """A request as the decoder tracks it (`uid`): its widest verify (`block`) and whether the
+    planner chooses its widths (`adaptive`), its drafter context, noise, prompt lookup and
+    grammar state; the planner's estimates; what is left to prefill, what it committed
+    (`output`) and its statistics (`stats`, the caller's to read when it passes one)."""
+
+    def __init__(self, request: Request, uid: int, model: DFlashModel, stats: Optional[DecodeStats] = None):
+        # the edge refused these already (build_request); the decoder's own callers (decode(), the
+        # training's evaluation) are guarded too: an embedding read past its table reads memory
+        check_token_ids(request.prompt, model.target.vocab_size)
+        self.request, self.uid = request, uid
+        self.stats = stats if stats is not None else DecodeStats()
+        self.adaptive = model.draft is not None and request.block_size is None and model.planner is not None
+        self.block = 1 if model.draft is None else (request.block_size or model.draft.block_size)
+        self.stats.block_size, self.stats.adaptive = self.block, self.adaptive
         self.context = Context(model)
-        if not self.params.greedy:
-            self.noise = Noise(new_seed() if self.seed is None else self.seed, model.target.vocab_size)
-        self.lookup = PromptLookup(self.prompt, ends=model.end_tokens) if self.adaptive else None
-        self.suffixes = model.suffixes if self.adaptive else None
-        self.constraint = self.grammar.start() if self.grammar is not None else None
+        self.noise = None
+        if not request.params.greedy:
+            self.noise = Noise(new_seed() if request.seed is None else request.seed, model.target.vocab_size)
+        self.lookup = PromptLookup(request.prompt, ends=model.end_tokens) if self.adaptive else None
+        self.suffixes: Optional[SuffixStore] = model.suffixes if self.adaptive else None  # earlier answers
+        self.constraint = request.grammar.start() if request.grammar is not None else None  # the grammar's state
+        self.estimates: dict = {}  # kind -> AcceptanceEstimate (plan.py)
+        self.since_draft = 0
+        self.copy_widths: dict = {}  # copy kind -> widest next proposal (plan.py)
+        self.unfilled: list[int] = []  # prompt tokens still to prefill
+        self.token = -1  # the last committed token
+        self.output: list[int] = []  # every committed token
         if model.planner is not None:
             model.planner.start(self)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def background(self) -> bool:
+        return self.request.background
 
     @property
     def produced(self) -> int:
@@ -294,7 +309,7 @@ class Request:
 
     @property
     def left(self) -> int:
-        return self.max_tokens - self.produced
+        return self.request.max_tokens - self.produced
 
     @property
     def spent(self) -> bool:
@@ -305,7 +320,7 @@ class Request:
     @property
     def most_tokens(self) -> int:
         """Prompt + max_tokens: the longest it can grow."""
-        return len(self.prompt) + self.max_tokens
+        return len(self.prompt) + self.request.max_tokens
 
     def matches(self, limit: int) -> list[Match]:
         """The copies of up to `limit` tokens on offer: the prompt lookup's, and the session-wide
@@ -343,6 +358,7 @@ class Request:
             self.stats.accepted_lengths.append(len(committed))
             self.stats.widths.append(plan.width)
             self.stats.sources.append(plan.source)
+        logprobs = self.request.logprobs
         return Step(
-            committed, accepted, None if self.logprobs is None else token_logprobs(logits, committed, self.logprobs)
+            committed, accepted, None if logprobs is None else token_logprobs(logits, committed, logprobs), self.spent
         )

@@ -5,7 +5,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..target.wrapper import BatchTargetCache, TargetCache
-from .request import Request
+from .request import Row
 
 
 def tree_arrays(tree) -> list[mx.array]:
@@ -35,7 +35,7 @@ def joined(batch, caches: list[TargetCache], batched: bool):
     return batch
 
 
-def without(rows: list[Request], batch, uids) -> tuple[list[Request], object]:
+def without(rows: list[Row], batch, uids) -> tuple[list[Row], object]:
     """`rows` and their cache with the rows of `uids` dropped, the last rows moved into their
     places (a batch cache then moves those rows alone, not every row after them)."""
     dropped = {i for i, row in enumerate(rows) if row.uid in uids}

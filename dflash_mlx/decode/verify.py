@@ -12,7 +12,7 @@ from ..sampling import SamplingParams, accept, choose
 from .grammar import masked
 from .model import DFlashModel
 from .plan import Plan
-from .request import Context, Request
+from .request import Context, Row
 from .rows import tree_arrays
 
 
@@ -28,7 +28,7 @@ class Pass:
     features: Optional[mx.array]
     seconds: float = 0.0  # its own time, when computed apart from the step's other pass
 
-    def fed(self, row: Request) -> list[int]:
+    def fed(self, row: Row) -> list[int]:
         """The tokens `row`'s caches hold with this pass queued: all it committed, the last fed
         by this pass (whose features then go to its drafter's context first, to stay aligned)."""
         if row.uid not in self.uids:
@@ -73,12 +73,12 @@ def draft_rows(
     )
 
 
-def last_tokens(rows: list[Request]) -> list[mx.array]:
+def last_tokens(rows: list[Row]) -> list[mx.array]:
     return [mx.array([row.token], dtype=mx.int32) for row in rows]
 
 
 def verify_pass(
-    model: DFlashModel, rows: list[Request], plans: list[Plan], lasts: list[mx.array], ahead: int, cache
+    model: DFlashModel, rows: list[Row], plans: list[Plan], lasts: list[mx.array], ahead: int, cache
 ) -> Pass:
     """One target pass on `cache` verifying each row's proposal after its last token (lazily);
     `ahead`: output positions already taken by a pass not yet read."""
@@ -107,7 +107,7 @@ def verify_pass(
 
 
 def propose(
-    model: DFlashModel, rows: list[Request], plans: list[Plan], lasts: list[mx.array], noises: list
+    model: DFlashModel, rows: list[Row], plans: list[Plan], lasts: list[mx.array], noises: list
 ) -> list[mx.array]:
     """Each row's proposal: its copied tokens, or its drafter's, all rows drafting
     at one width in one drafter pass (its weights read once for all of them)."""
@@ -128,7 +128,7 @@ def propose(
 
 
 def verify_passes(
-    model: DFlashModel, rows: list[Request], cache, passes: list[tuple[int, list[Plan]]], clock
+    model: DFlashModel, rows: list[Row], cache, passes: list[tuple[int, list[Plan]]], clock
 ) -> list[tuple[int, Pass]]:
     """The passes built (lazily when there is one; each computed before the next is built
     when there are more: a pass writes into the batch's arrays in place only once the one

@@ -2,12 +2,10 @@
 
 from typing import Optional
 
-import mlx.core as mx
-
 from ..drafters import DFlashDraftModel
 from ..decode.decoder import decode
 from ..decode.model import DecodeStats, DFlashModel
-from ..sampling import SamplingParams
+from ..decode.request import Request
 from ..target.wrapper import Target
 from .data import Example
 from .config import TrainConfig
@@ -25,7 +23,9 @@ def committed_lengths(
     lengths = []
     for prompt in prompts:
         stats = DecodeStats()
-        for _ in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens, block_size, stats):
+        for _ in decode(
+            DFlashModel(target, draft), Request(list(prompt), max_tokens, block_size=block_size), stats=stats
+        ):
             pass
         lengths += stats.accepted_lengths
     return lengths
