@@ -447,19 +447,17 @@ def test_missing_openblas_is_said_once_in_one_line(tiny_dirs, monkeypatch, capsy
 def test_the_acceptance_histogram_counts_only_the_answers_tokens(tiny_dirs):
     """A cycle that committed a block with EOS inside counts the tokens before EOS only (and a
     cycle that committed EOS first not at all): the histogram adds up to the answer's length."""
-    from types import SimpleNamespace
-
     from dflash_mlx import load
     from dflash_mlx.api.generation import Responses
     from dflash_mlx.decode.model import DecodeStats, Step
+    from dflash_mlx.decode.request import Request
 
     _, tokenizer = load(str(tiny_dirs[0]), use_draft=False)
     eos = next(iter(tokenizer.eos_token_ids))
     word = next(t for t in range(100, 1000) if t not in tokenizer.eos_token_ids)
     for block, eos_at, histogram in (([word] * 16, 11, [0] * 10 + [1] + [0] * 5), ([word] * 4, 0, [0] * 16)):
         stats = DecodeStats(block_size=16)
-        request = SimpleNamespace(stats=stats, max_tokens=100, prompt=[1, 2, 3], adaptive=False)
-        responses = Responses(tokenizer, request, [])
+        responses = Responses(tokenizer, Request([1, 2, 3], 100), stats)
         responses.push(Step([word], 0))  # the prompt's pass: not a cycle
         stats.accepted_lengths.append(len(block))
         stats.widths.append(16)
