@@ -275,15 +275,15 @@ def test_adaptive_decoding_is_lossless_and_adapts():
         clock = Clock(cost)
         model = DFlashModel(Timed(target, clock), drafter, planner=Planner(cost, 16))
         decoder = Decoder(model, max_batch=1, clock=clock)
-        request = decoder.add(Request(prompt, 40))
+        row = decoder.add(Request(prompt, 40))
         out = []
         while decoder.busy:
             out += [t for step in decoder.step().steps.values() for t in step.tokens]
         assert out == reference[:40]
         if wide:
-            assert max(request.stats.widths) >= 8 and request.stats.tau > 4
+            assert max(row.stats.widths) >= 8 and row.stats.tau > 4
         else:
-            sources = request.stats.sources  # a drafter that never pays is tried less and less
+            sources = row.stats.sources  # a drafter that never pays is tried less and less
             assert sources[20:].count("dflash") < sources[:20].count("dflash") and sources[-10:].count("dflash") <= 2
 
 

@@ -79,11 +79,11 @@ def test_a_request_copies_an_earlier_answer_losslessly(max_batch):
     passes = []
     for _ in range(2):
         decoder = Decoder(model, max_batch=max_batch, clock=clock)
-        request = decoder.add(Request(prompt, 40))
+        row = decoder.add(Request(prompt, 40))
         if max_batch > 1:
             decoder.add(Request([9, 8, 7, 6], 40))
         while decoder.busy:
             decoder.step()
-        assert request.output == reference
-        passes.append(request.stats.cycles)
-    assert "suffix" in request.stats.sources and passes[1] < passes[0] / 2
+        assert row.output == reference
+        passes.append(row.stats.cycles)
+    assert "suffix" in row.stats.sources and passes[1] < passes[0] / 2
