@@ -160,8 +160,13 @@ def assert_configured(agent: str, record: dict, model_id: str, port: int) -> Non
 def test_a_started_server_serves_the_agent_and_is_gone_after_it(agents_on_path, wide_dirs):
     port = free_port()
     env = {**agents_on_path, "STANDIN_EXIT": "3"}
-    done = launch(env, "claude", *tiny_model_options(wide_dirs), "--port", str(port), "--", "--extra", "arg")
+    options = [*tiny_model_options(wide_dirs), "--port", str(port), "--log-level", "debug"]
+    done = launch(env, "claude", *options, "--", "--extra", "arg")
     assert done.returncode == 3, done.stderr[-2000:]  # the agent's own exit status
+    first = done.stderr.splitlines()[0]  # names the server's log, kept in the cache folder
+    assert "--log-level debug" in first and f"--prompt-cache-dir {env['DFLASH_MLX_CACHE']}/prompt-cache" in first
+    log = first.rsplit("(log: ", 1)[1].rstrip(")")
+    assert log.startswith(f"{env['DFLASH_MLX_CACHE']}/logs/") and "GET /v1/models" in open(log).read()
     assert_configured("claude", recorded(env), str(wide_dirs[0]), port)
     assert not answers(port)  # stopped when the agent exited
 
@@ -322,17 +327,23 @@ def test_codex_overrides_are_toml_and_leave_the_window_room_for_a_reply():
 @pytest.mark.slow
 def test_a_window_too_small_is_refused_before_the_agent_starts(agents_on_path, tiny_dirs):
     port = free_port()
-    done = launch(
-        agents_on_path, "opencode", *tiny_model_options(tiny_dirs), "--port", str(port), "--log-level", "debug"
-    )
+    done = launch(agents_on_path, "opencode", *tiny_model_options(tiny_dirs), "--port", str(port))
     assert done.returncode == 1
     assert "window (4,096 tokens) cannot hold OpenCode's first request" in done.stderr
     assert not os.path.exists(agents_on_path["STANDIN_RECORD"])  # the agent never ran
-    assert not answers(port)  # the server started for it is stopped
-    first = done.stderr.splitlines()[0]
-    assert "--log-level debug" in first and "--prompt-cache-dir" in first
-    log = first.rsplit("(log: ", 1)[1].rstrip(")")
-    assert log.startswith(agents_on_path["DFLASH_MLX_CACHE"]) and os.path.getsize(log) > 0
+    assert "starting dflash-mlx serve" not in done.stderr and not answers(port)  # nor a server for it
+
+
+def test_the_default_models_window_is_read_from_its_converted_folder_without_converting(tmp_path, monkeypatch):
+    from dflash_mlx.api import registry
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(registry, "smollm2_path", lambda *a, **k: pytest.fail("launch must not convert the model"))
+    assert context_window(registry.DEFAULT_MODEL, None) is None  # not converted yet: the window is read later
+    folder = tmp_path / "models" / f"{registry.DEFAULT_MODEL}-float32"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert context_window(registry.DEFAULT_MODEL, None) == 8192
 
 
 def test_a_short_names_window_is_read_from_whichever_variant_is_cached(tmp_path, monkeypatch):

@@ -71,6 +71,14 @@ def launch(
         raise LaunchError(f"{agent.title} is not installed ({agent.executable} is not on PATH): {agent.install}")
     key = os.environ.get(KEY_ENV) or DUMMY_KEY
     url, model = reusable_server(port, key)
+    first_request = agent.first_request_with(agent_args)
+    if model is None:  # a window that cannot hold the agent: said before a server is started for it
+        from ..api.registry import DEFAULT_MODEL
+
+        name = options.model or DEFAULT_MODEL
+        refusal = fit(agent, context_window(name, options.quant), first_request, name)
+        if refusal:
+            raise LaunchError(refusal)
     server = None
     with stop_signals_raise():
         try:
@@ -83,7 +91,6 @@ def launch(
             else:
                 say_reused(url, model["id"], options)
             served = Served(url, key, model["id"], context_window(model["id"], options.quant))
-            first_request = agent.first_request_with(agent_args)
             refusal = fit(agent, served.context, first_request, served.model)
             if refusal:
                 raise LaunchError(refusal)
@@ -271,10 +278,14 @@ def context_window(model_id: str, quant: Optional[int]) -> Optional[int]:
 def model_sources(model_id: str, quant: Optional[int]) -> list[str]:
     """The folders or repos the server may have loaded `model_id` from: without --quant it loads
     the variant of a short name that fits the machine, and every variant has the same window."""
-    from ..api.registry import PUBLISHED, VARIANTS, resolve, variant_repo
+    from ..api.registry import DEFAULT_MODEL, PUBLISHED, VARIANTS, resolve, variant_repo
 
     if model_id in PUBLISHED:
         return [variant_repo(PUBLISHED[model_id], q) for q in dict.fromkeys((quant, *VARIANTS))]
+    if model_id == DEFAULT_MODEL:  # its converted folders, whichever dtype (never converted here)
+        return [
+            str(config.parent) for config in sorted((cache_dir() / "models").glob(f"{DEFAULT_MODEL}-*/config.json"))
+        ]
     return [resolve(model_id, quant=quant).target]
 
 
