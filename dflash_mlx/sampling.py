@@ -101,16 +101,6 @@ def choose(logits: mx.array, params: SamplingParams, noise: Optional[mx.array]) 
     return _noisy_choice(logits, noise, mx.array(1.0 / params.temp), params.top_p, params.top_k)
 
 
-def accept(draft: mx.array, target_choice: mx.array) -> tuple[mx.array, mx.array]:
-    """How many of the k >= 0 draft tokens the target keeps, and the token after them.
-
-    `target_choice` (k+1,) are the target's own tokens at [last token] + draft
-    (`choose` with the same noise the drafter used).  Returns device scalars
-    (n_accepted, next_token) so the caller syncs once."""
-    n = mx.cumprod((draft == target_choice[:-1]).astype(mx.int32)).sum()
-    return n, target_choice[n]
-
-
 @dataclass
 class TokenLogprob:
     """The target's log-probability of a committed token (its own distribution at temperature

@@ -87,7 +87,7 @@ def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
         _, features = target(mx.array([prompt]), target.make_cache(), draft.target_layer_ids)
         context.add(features)
         contexts.append(context)
-        lasts.append(mx.array([prompt[-1]]))
+        lasts.append(prompt[-1])
     params = [SamplingParams(), SamplingParams(temp=0.8), SamplingParams(temp=1.3), SamplingParams()]
     for width in (2, 6):
         noises = [
@@ -129,7 +129,8 @@ def test_computing_ahead_after_drafting_steps_is_lossless(model_type, monkeypatc
     are still the plain ones, alone and batched, and it ran after every drafting step."""
     ran = []
     monkeypatch.setattr(engine, "fusing", lambda: False)
-    monkeypatch.setattr(engine, "run_ahead", lambda rows, cache: ran.append(len(rows)) or run_ahead(rows, cache))
+    monkeypatch.setattr(verify, "fusing", lambda: False)
+    monkeypatch.setattr(verify, "run_ahead", lambda rows, cache: ran.append(len(rows)) or run_ahead(rows, cache))
     target = tiny_target(model_type, seed=2)
     oracle, references = oracle_for(target, PROMPTS, 24)
     for max_batch in (1, 8):

@@ -126,12 +126,12 @@ def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
     params = SamplingParams(temp=1.0)
     joint = exact_joint(target, params)
 
-    def accept_everything(proposal, target_choice):
-        return mx.array(proposal.size), target_choice[-1]
+    def accept_everything(blocks, chosen, proposed):
+        return proposed, mx.take_along_axis(chosen, proposed[:, None], axis=1)[:, 0]
 
     import dflash_mlx.decode.verify as verify
 
-    monkeypatch.setattr(verify, "accept", accept_everything)
+    monkeypatch.setattr(verify, "accepted_prefix", accept_everything)
     counts = sample_joint(DFlashModel(target, draft), params, n=2500, seed=0, rows=50)
     assert chi_square_p_value(counts, joint) < 1e-6
 
@@ -225,12 +225,15 @@ def test_invalid_sampling_parameters_are_refused():
 
 
 def test_greedy_accept_counts_the_agreeing_prefix():
+    """Each row keeps the prefix of its proposal the target agrees with, never past its own
+    proposal (a narrower row's padding agreeing by chance is not accepted)."""
+    from dflash_mlx.decode.verify import accepted_prefix
+
     logits = mx.eye(5)[mx.array([1, 2, 3, 4])] * 5  # target wants 1, 2, 3, 4
     choice = sampling.choose(logits, SamplingParams(), None)
-    n, nxt = sampling.accept(mx.array([1, 2, 0]), choice)
-    assert (n.item(), nxt.item()) == (2, 3)
-    n, nxt = sampling.accept(mx.array([1, 2, 3]), choice)
-    assert (n.item(), nxt.item()) == (3, 4)
+    blocks = mx.array([[0, 1, 2, 0], [0, 1, 2, 3], [0, 1, 2, 3], [0, 4, 2, 3]])
+    n, nxt = accepted_prefix(blocks, mx.stack([choice] * 4), mx.array([3, 3, 1, 3]))
+    assert n.tolist() == [2, 3, 1, 0] and nxt.tolist() == [3, 4, 2, 1]
 
 
 @pytest.mark.slow

@@ -36,10 +36,11 @@ from .idle import IdlePrefills
 from .model import DecodeStats, DFlashModel, Step
 from .plan import PLAIN, Plan, fixed_plan, step_passes
 from ..cache.prompt_cache import PromptCache
+from .phases import PHASES
 from .prefill import fill_chunk
 from .prefix import PrefixPolicy
-from .rows import joined, run_ahead, settled, without
-from .verify import Pass, verify_pass, verify_passes
+from .rows import joined, settled, without
+from .verify import Pass, build, build_passes, settle
 from .request import Request, Row
 from ..sampling import SamplingParams
 
@@ -119,7 +120,8 @@ class Decoder:
         self._wired.enter_context(wired_limit([m for m in (model.target.model, model.draft) if m], [self.stream]))
 
     def close(self) -> None:
-        """The wired memory limit as it was before (safe to call twice)."""
+        """The wired memory limit as it was before, and what was learnt kept (safe to call twice)."""
+        self._keep_learnt()
         self._wired.close()
 
     @property
@@ -144,9 +146,14 @@ class Decoder:
         and what they decoded is kept in the prompt cache (a chat's next turn starts from it) and
         in the model's store of answers (later requests copy from it)."""
         with mx.stream(self.stream):
-            for i in [i for i, row in enumerate(self.rows) if row.uid in uids]:
-                fed = self.rows[i].fed if self._queued is None else self._queued.fed(self.rows[i])
-                self.prefix.keep_answer(self.rows[i], self.cache, i, fed)
+            for i, row in enumerate(self.rows):
+                if row.uid not in uids:
+                    continue
+                if self._queued is not None:  # its pass feeds the row's last token too
+                    self._queued.feed_drafter(row)
+                self.prefix.keep_answer(
+                    row, self.cache, i, row.fed if self._queued is None else row.prompt + row.output
+                )
         self.discard(*uids)
 
     def discard(self, *uids: int) -> None:
@@ -156,8 +163,6 @@ class Decoder:
         self.rows, self.cache = without(self.rows, self.cache, uids)
         if self._queued is not None:
             self._queued = self._queued.rows([row.uid for row in self.rows]) if self.rows else None
-        if not self.busy and self.model.planner is not None:
-            self.model.planner.step_times.flush()  # idle: keep what was learnt for the next process
 
     def step(self) -> BatchStep:
         """One prefill chunk of the requests joining (those with room start theirs), then one
@@ -178,7 +183,15 @@ class Decoder:
                 raise StepFailed(error, self._abandon(error)) from error
             self.discard(*failed)
             self.remove(*(row.uid for row in self.rows if row.spent))  # one filter for all that ended
+        if not self.busy:
+            self._keep_learnt()
         return BatchStep(size, width, steps, passes, failed)
+
+    def _keep_learnt(self) -> None:
+        """What the planner learnt of this machine's step times, written for the next process
+        (when the decoder falls idle or closes)."""
+        if self.model.planner is not None:
+            self.model.planner.step_times.flush()
 
     def _abandon(self, error: Exception) -> set[int]:
         """After a failed step: the uids of every request it was decoding or prefilling, dropped
@@ -300,9 +313,11 @@ class Decoder:
     # ------------------------------------------------------------ decoding
 
     def _decode(self, steps: dict, failed: dict) -> tuple[int, int]:
-        """One decode step of the rows: its width and its number of target passes.  A row whose
-        tokens its own state refuses (a grammar's) goes into `failed`, rolled back with the others."""
-        planner, started = self.model.planner, self.clock()
+        """One decode step of the rows, plan -> propose -> verify -> accept -> roll back (verify.py):
+        its width and its number of target passes.  A row whose tokens its own state refuses (a
+        grammar's) goes into `failed`, rolled back with the others."""
+        started = self.clock()
+        PHASES.start()
         queued, self._queued = self._queued, None
         if queued is not None:
             # queued during the step before, and computed beside it: what it costs is the time
@@ -311,43 +326,18 @@ class Decoder:
             started, done = self._read_at, [(0, queued)]
         else:
             passes = self._passes()  # first: it may reorder the rows and their cache
-            done = verify_passes(self.model, self.rows, self.cache, passes, self.clock)
-        width = max(plan.width for _, current in done for plan in current.plans)
+            PHASES.lap("plan")
+            done = build_passes(self.model, self.rows, self.cache, passes, self.clock)
+        width = max(current.width for _, current in done)
         if width == 1 and len(done) == 1:
-            _, current = done[0]
-            mx.async_eval(current.choices)  # its own task: reading it must not wait for the pass queued next
-            self._queue_next(self.rows, current)
-        mx.eval(
-            [choice for _, current in done for choice in current.choices], [p for _, c in done for p in c.proposals]
+            mx.async_eval(done[0][1].next_tokens)  # its own task: reading it must not wait for the pass queued next
+            self._queue_next(self.rows, done[0][1])
+        PHASES.lap("verify build")
+        settled_steps, settled_failed, self._read_at = settle(
+            done, self.rows, self.cache, self.model.planner, started, self.clock
         )
-        self._read_at = self.clock()
-        keeps = []
-        for start, current in done:
-            for i, (plan, proposal, (n, next_token)) in enumerate(
-                zip(current.plans, current.proposals, current.choices)
-            ):
-                row, n = self.rows[start + i], n.item()
-                keeps.append(n + 1)
-                row.context.add(None if current.features is None else current.features[i : i + 1, : n + 1])
-                try:
-                    steps[row.uid] = row.record(
-                        plan, proposal[:n].tolist() + [next_token.item()], n, current.logits[i, : n + 1]
-                    )
-                except Exception as error:
-                    failed[row.uid] = error
-        if width > 1:
-            self.cache.rollback_rows(keeps)
-            if not fusing():  # on a CPU the cores that would compute ahead are the ones building the graph
-                run_ahead(self.rows, self.cache)
-        seconds = self.clock() - started
-        for start, current in done:
-            rows = self.rows[start : start + len(current.plans)]
-            if planner is not None:
-                # a pass run apart from the others is judged by its own time (and its share of reading them all)
-                share = seconds if len(done) == 1 else current.seconds * seconds / sum(c.seconds for _, c in done)
-                planner.learn(rows, current.plans, [k - 1 for k in keeps[start : start + len(rows)]], share)
-            for row in rows:
-                row.stats.decode_seconds += seconds
+        steps.update(settled_steps)
+        failed.update(settled_failed)
         return width, len(done)
 
     def _passes(self) -> list[tuple[int, list[Plan]]]:
@@ -373,10 +363,8 @@ class Decoder:
         )
         if any(plan != PLAIN for plan in plans):
             return
-        self._queued = verify_pass(
-            self.model, rows, plans, [next_token.reshape(1) for _, next_token in current.choices], 1, self.cache
-        )
-        mx.async_eval([choice for choice in self._queued.choices])
+        self._queued = build(self.model, rows, plans, current.next_tokens, 1, self.cache)
+        mx.async_eval(self._queued.next_tokens)
 
 
 def decode(

@@ -118,9 +118,9 @@ class DFlashDraftModel(nn.Module):
         caches: list[list[ContextKV]],
         params: list[SamplingParams],
         noises: list[Optional[mx.array]],
-    ) -> list[mx.array]:
+    ) -> mx.array:
         """propose() for several rows' blocks (R, L) in one pass, each row with its own
-        context, sampling parameters and noise: what each would draft alone."""
+        context, sampling parameters and noise: what each would draft alone, (R, L-1)."""
         if len(caches) == 1:
             contexts = caches[0]
         else:
@@ -129,16 +129,23 @@ class DFlashDraftModel(nn.Module):
         if self.args.dflash2:
             hidden = self.run_layers(blocks, contexts)[:, 1:]
             logits = self.logits(hidden)
-            return [
-                self.candidate_selector.walk(hidden[i], logits[i], blocks[i, 0], ids, row_params.temp, noise)
-                for i, (row_params, noise) in enumerate(zip(params, noises))
-            ]
+            return mx.stack(
+                [
+                    self.candidate_selector.walk(hidden[i], logits[i], blocks[i, 0], ids, row_params.temp, noise)
+                    for i, (row_params, noise) in enumerate(zip(params, noises))
+                ]
+            )
         logits = self(blocks, contexts)
-        choices = [
-            choose(logits[i], row_params, noise if noise is None or ids is None else noise[:, ids])
-            for i, (row_params, noise) in enumerate(zip(params, noises))
-        ]
-        return choices if ids is None else [ids[choice] for choice in choices]
+        if all(row_params.greedy for row_params in params):
+            choices = mx.argmax(logits, axis=-1)  # every row in one
+        else:
+            choices = mx.stack(
+                [
+                    choose(logits[i], row_params, noise if noise is None or ids is None else noise[:, ids])
+                    for i, (row_params, noise) in enumerate(zip(params, noises))
+                ]
+            )
+        return choices if ids is None else ids[choices]
 
     def logits(self, hidden: mx.array) -> mx.array:
         logits = self._vocab.head(hidden)

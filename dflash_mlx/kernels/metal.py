@@ -491,6 +491,23 @@ class ContextSpan:
     start: int
     length: int
 
+    def followed_by(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The live entries followed by a block's keys / values (B, Hkv, L, D): written into the
+        buffer's free room behind them and read in place where it has room (a concatenation would
+        copy the whole context, per layer and per draft: ~2 ms a copy at 8k positions on a CPU),
+        else concatenated.  The room is free: the next entries appended overwrite it."""
+        end, width = self.start + self.length, keys.shape[2]
+        live = slice(self.start, end)
+        if end + width > self.keys.shape[2]:
+            return (
+                mx.concatenate([self.keys[..., live, :], keys], axis=2),
+                mx.concatenate([self.values[..., live, :], values], axis=2),
+            )
+        self.keys[..., end : end + width, :] = keys
+        self.values[..., end : end + width, :] = values
+        both = slice(self.start, end + width)
+        return self.keys[..., both, :], self.values[..., both, :]
+
 
 def block_visibility(L: int, context_length: int, causal: bool, window: Optional[int]) -> Optional[mx.array]:
     """(L, context_length + L) bool mask of the keys each block row sees, or None for all."""
@@ -548,9 +565,7 @@ def dtype_name(dtype: mx.Dtype) -> str:
 def block_attention_mlx(queries, keys, values, context: Optional[ContextSpan], *, scale, causal=False, window=None):
     length = context.length if context is not None else 0
     if length:
-        span = slice(context.start, context.start + length)
-        keys = mx.concatenate([context.keys[..., span, :], keys], axis=2)
-        values = mx.concatenate([context.values[..., span, :], values], axis=2)
+        keys, values = context.followed_by(keys, values)
     mask = block_visibility(queries.shape[2], length, causal, window)
     if fusing():  # our softmax (fused_ops.py)
         return scaled_dot_product_attention(queries, keys, values, None, scale=scale, mask=mask)
