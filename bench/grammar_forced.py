@@ -21,6 +21,7 @@ import typer
 import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 from dflash_mlx import Grammar, load, stream_generate
 from dflash_mlx.decode.grammar import GrammarState
+from dflash_mlx.decode.learning import without_answers
 from dflash_mlx.io.progress import add_task, progress
 
 PERSON = {
@@ -101,7 +102,7 @@ def main(
     out: Path = typer.Option(Path("bench/results/grammar-forced"), help="results folder"),
 ):
     pair, tokenizer = load(model, draft)
-    pair = replace(pair, suffixes=None)  # no answer copied from an earlier one
+    pair = without_answers(pair)  # no answer copied from an earlier one
     vocab = pair.target.vocab_size
     kinds = {
         "JSON object (strict schema)": (

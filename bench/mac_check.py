@@ -50,6 +50,7 @@ from dflash_mlx.api import doctor, format_prompt
 from dflash_mlx.api.registry import DEFAULT_DRAFT, PUBLISHED
 from dflash_mlx.bench.harness import run_dflash, run_plain
 from dflash_mlx.bench.prompt_sets import mixed_prompts
+from dflash_mlx.decode.learning import kept
 from dflash_mlx.io.storage import writable
 from dflash_mlx.kernels import metal as kernels
 from dflash_mlx.kernels.fused_ops import unfused
@@ -375,9 +376,10 @@ def speed(pair, tokenizer, prompts: list[str], max_tokens: int, warm_up: bool = 
 
 
 def cost_curve(pair) -> Outcome:
-    if pair.planner is None:
+    planner = kept(pair).planner
+    if planner is None:
         raise Skipped("no adaptive plan (no drafter)")
-    cost = pair.planner.cost
+    cost = planner.cost
     rows = [
         {"width": w, "target pass ms": 1e3 * cost.verify(w), "drafter pass ms": 1e3 * cost.drafter_pass(w)}
         for w in (1, 2, 4, 8, 16)

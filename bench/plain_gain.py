@@ -13,7 +13,6 @@ checked equal to the plain one.  Prints the per-prompt speeds, the median gain a
 import argparse
 import sys
 import time
-from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from statistics import median
@@ -25,6 +24,7 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 from dflash_mlx.api import load
 from dflash_mlx.bench.harness import machine
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.learning import without_answers
 from dflash_mlx.decode.model import DecodeStats
 from dflash_mlx.decode.request import Request
 from dflash_mlx.kernels.metal import chip_name
@@ -50,7 +50,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     model, _ = load(None)
-    model = replace(model, suffixes=None)  # each prompt as a first request
+    model = without_answers(model)  # each prompt as a first request
     prompts = [e.prompt_ids for e in read_data(HELD_OUT)[-args.prompts :]]
     for block_size in (1, None):
         timed(model, prompts[0][:64], 8, block_size)  # the first calls' set-up outside the timing

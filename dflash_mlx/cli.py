@@ -160,6 +160,7 @@ def generate(
 ):
     """Generate text with DFlash speculative decoding, streaming it as it is accepted."""
     from .api import format_prompt, format_stats, load, stream_generate
+    from .decode.learning import kept
     from .decode.request import check_values
 
     prompt = read_prompt(prompt)
@@ -193,8 +194,9 @@ def generate(
                 f"target layers {pair.draft.target_layer_ids}",
                 err=True,
             )
-        if pair.planner is not None:
-            typer.echo(f"adaptive width, this machine: {pair.planner.cost.describe()}", err=True)
+        planner = kept(pair).planner
+        if planner is not None:
+            typer.echo(f"adaptive width, this machine: {planner.cost.describe()}", err=True)
     tokens = format_prompt(tokenizer, prompt, system, chat_template=not no_chat_template)
     if verbose:
         typer.echo(tokenizer.decode(tokens), err=True)
@@ -315,6 +317,7 @@ def serve(
     _check_serve_flags(options, quant, port, drain_seconds)
     check_draft_quant(draft_quant)
     from .api import load
+    from .decode.learning import kept
 
     pipeline = pipeline_options(distributed, split, timeout)
     pair, tokenizer = load(
@@ -328,7 +331,7 @@ def serve(
         **pipeline,
     )
     if no_suffix_drafts:
-        pair.suffixes = None
+        kept(pair).suffixes = None
     if distributed is not None and not pair.target.is_driver:
         _follow_rank_zero(pair.target)
         return

@@ -18,6 +18,7 @@ from dflash_mlx.decode.plan import PLAIN, Plan, Planner, fixed_plan
 from dflash_mlx.decode.request import Context, Request
 from dflash_mlx.drafters.dflash import ContextRows
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.learning import Learning
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.cache.prompt_cache import PromptCache
 from dflash_mlx.sampling import SamplingParams
@@ -427,8 +428,9 @@ def test_the_batch_width_follows_the_cost_curve(per_token, drafts):
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 30)
     slow, clock = slow_wide(target)
-    model = DFlashModel(target if drafts else slow, oracle, planner=Planner(cost_model(per_token), 6, prior=0.8))
-    shapes = decode_all(Decoder(model, clock=None if drafts else clock), references)
+    model = DFlashModel(target if drafts else slow, oracle)
+    learning = Learning(Planner(cost_model(per_token), 6, prior=0.8))
+    shapes = decode_all(Decoder(model, clock=None if drafts else clock, learning=learning), references)
     if drafts:
         assert any(width > 1 for _, width in shapes)
     else:
@@ -455,7 +457,7 @@ def test_passes_over_some_rows_of_a_batch_are_exact(model_type):
     target = tiny_target(model_type, seed=2)
     oracle, references = oracle_for(target, PROMPTS, 30)
     recorded = Recording(target)
-    decoder = Decoder(DFlashModel(recorded, oracle, planner=Apart(cost_model(0.1), 6)))
+    decoder = Decoder(DFlashModel(recorded, oracle), learning=Learning(Apart(cost_model(0.1), 6)))
     uids = [decoder.add(Request(list(p), 30, SamplingParams())).uid for p in PROMPTS]
     out, apart = {}, 0
     while decoder.busy:
@@ -478,7 +480,7 @@ def test_sampled_rows_verified_apart_draw_what_they_draw_alone():
         [t for s in decode(DFlashModel(target, draft), Request(list(p), 30, sp, seed=7 + i)) for t in s.tokens]
         for i, (p, sp) in enumerate(zip(PROMPTS, params))
     ]
-    decoder = Decoder(DFlashModel(target, draft, planner=Apart(cost_model(0.1), 4)))
+    decoder = Decoder(DFlashModel(target, draft), learning=Learning(Apart(cost_model(0.1), 4)))
     uids = [decoder.add(Request(list(p), 30, sp, seed=7 + i)).uid for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     out, apart = {}, 0
     while decoder.busy:
@@ -554,7 +556,7 @@ def test_step_times_are_kept_for_the_next_process(tmp_path, capsys):
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 12)
     planner = Planner(cost_model(0.1), 6, StepTimes.stored(store, basis=[1.0]))
-    decoder = Decoder(DFlashModel(target, oracle, planner=planner))
+    decoder = Decoder(DFlashModel(target, oracle), learning=Learning(planner))
     decode_all(decoder, references, max_tokens=12)  # fewer steps than save_every: kept once idle
     kept = StepTimes.stored(store, basis=[1.0])
     assert kept.ratios == planner.step_times.ratios and len(kept.ratios) >= 2
@@ -567,8 +569,8 @@ def test_the_batch_learns_what_its_steps_really_cost():
     oracle, references = oracle_for(target, PROMPTS, 30)
     flat = CostModel([1, 2, 4, 8, 16], [0.01] * 5, draft_seconds=0.0005)
     slow, clock = slow_wide(target)
-    model = DFlashModel(slow, oracle, planner=Planner(flat, 6, prior=0.8))
-    shapes = decode_all(Decoder(model, clock=clock), references)
+    learning = Learning(Planner(flat, 6, prior=0.8))
+    shapes = decode_all(Decoder(DFlashModel(slow, oracle), clock=clock, learning=learning), references)
     assert any(width > 1 for _, width in shapes[:4])
     assert_settles_plain(shapes)
 
@@ -586,7 +588,7 @@ def test_a_plain_step_judged_too_dear_is_timed_again():
             times.observe(rows, width, modelled=1.0, seconds=0.01)
     planner = Planner(cost_model(1.0), 6, prior=0.8, explore_every=8, step_times=times)
     slow, clock = slow_wide(target)
-    shapes = decode_all(Decoder(DFlashModel(slow, oracle, planner=planner), clock=clock), references, 40)
+    shapes = decode_all(Decoder(DFlashModel(slow, oracle), clock=clock, learning=Learning(planner)), references, 40)
     three = [width for size, width in shapes if size == 3]
     first_plain = three.index(1)
     assert first_plain <= 8 and three[first_plain:].count(1) >= 0.8 * len(three[first_plain:])
@@ -600,12 +602,12 @@ def test_rows_drafting_together_pay_for_one_drafter_pass():
     oracle, _ = oracle_for(target, PROMPTS, 30)
     cost = CostModel([1, 2, 4, 8, 16], [1.0] * 5, draft_seconds=0.3, draft_per_token=0.01)
     assert cost.drafter_pass(2, rows=3) == pytest.approx(0.33)
-    decoder = Decoder(DFlashModel(target, oracle, planner=Planner(cost, 2, prior=0.5)))
+    decoder = Decoder(DFlashModel(target, oracle), learning=Learning(Planner(cost, 2, prior=0.5)))
     for prompt in PROMPTS:
         decoder.add(Request(list(prompt), 30, SamplingParams()))
     while decoder.filling or decoder.waiting:
         decoder.step()
-    planner = decoder.model.planner
+    planner = decoder.learning.planner
     planner.step_times = StepTimes()  # judged by the curve alone
     plans = planner.plan(decoder.rows)
     assert len(plans) == 3 and all(plan.width == 2 and plan.source == "dflash" for plan in plans)

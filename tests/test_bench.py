@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import load
 from dflash_mlx.bench.harness import run_bench
+from dflash_mlx.decode.learning import kept
 from dflash_mlx.cli import app
 from dflash_mlx.drafters import DFlashDraftModel, save_draft
 from dflash_mlx.convert.gguf import convert_gguf
@@ -27,7 +28,7 @@ def test_harness_writes_results_tables_and_plots(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))  # cost curve cached here, not in ~
     target_dir, drafter_dir = tiny_pair(tmp_path)
     model, tokenizer = load(str(target_dir), str(drafter_dir))
-    assert model.planner is not None
+    assert kept(model).planner is not None
     results = run_bench(
         model, tokenizer, ["gsm8k", "mtbench"], 2, 6, ["greedy", "sampled"], tmp_path / "out", show_progress=False
     )

@@ -234,10 +234,11 @@ def test_other_api_entry_points_name_their_bad_arguments(tiny_pair, tmp_path):
 
 def test_fixed_width_stats_do_not_claim_adaptivity(tiny_dirs):
     from dflash_mlx.api import format_stats
+    from dflash_mlx.decode.learning import kept
 
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir))
-    assert model.planner is not None
+    assert kept(model).planner is not None
     fixed = list(stream_generate(model, tokenizer, "hello", max_tokens=10, block_size=3))[-1]
     assert "Adaptive:" not in format_stats(fixed, model)
     adaptive = list(stream_generate(model, tokenizer, "hello", max_tokens=10))[-1]
@@ -265,6 +266,7 @@ def test_seeded_sampling_ignores_timing_in_the_adaptive_mode(tiny_dirs, monkeypa
     run (so the planner picks different widths): the same text."""
     from dflash_mlx.decode import decoder as engine
     from dflash_mlx.decode.costs import CostModel
+    from dflash_mlx.decode.learning import Learning, keep
     from dflash_mlx.decode.plan import Planner
 
     model_dir, draft_dir = tiny_dirs
@@ -275,7 +277,7 @@ def test_seeded_sampling_ignores_timing_in_the_adaptive_mode(tiny_dirs, monkeypa
         rng = random.Random(run)
         monkeypatch.setattr(engine.time, "perf_counter", lambda: real() + rng.random() * 0.05)
         # a cost curve on which drafting and plain decoding are close, so timing noise moves the choice
-        model.planner = Planner(CostModel([1, 2, 4], [0.010, 0.012, 0.016], 0.003, 0.0005, 0.0002, 0.0004), 4)
+        keep(model, Learning(Planner(CostModel([1, 2, 4], [0.010, 0.012, 0.016], 0.003, 0.0005, 0.0002, 0.0004), 4)))
         last = None
         text = ""
         for last in stream_generate(model, tokenizer, "tell me a story", max_tokens=40, temp=0.8, top_p=0.95, seed=3):

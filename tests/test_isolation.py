@@ -2,7 +2,7 @@
 was decoding, nothing of them is kept (prompt cache, answer store), every request waiting or
 decoding beside them goes on exactly, and later answers are a fresh decoder's."""
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import mlx.core as mx
 import pytest
@@ -11,6 +11,8 @@ from dflash_mlx import load
 from dflash_mlx.decode.decoder import Decoder, StepFailed
 from dflash_mlx.cache.prompt_cache import PromptCache
 from dflash_mlx.decode.request import Request
+from dflash_mlx.decode.learning import Learning, keep, kept
+from dflash_mlx.decode.plan import Planner
 from dflash_mlx.decode.suffix import SuffixStore
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 40, 3], [60, 61, 62], list(range(20, 50)), [33, 34, 35, 36, 8]]
@@ -81,17 +83,21 @@ def run(decoder: Decoder, requests: list[Request]) -> dict[int, list[int]]:
     return [out[uid] for uid in uids]
 
 
+def fresh_learning(model) -> Learning:
+    """The planner the process keeps for `model`, and no answers yet."""
+    return Learning(kept(model).planner, SuffixStore())
+
+
 def fresh_answers(model, prompts, max_tokens=24) -> list[list[int]]:
-    fresh = Decoder(replace(model, suffixes=SuffixStore()), PromptCache(piece_tokens=8), max_batch=4)
+    fresh = Decoder(model, PromptCache(piece_tokens=8), max_batch=4, learning=fresh_learning(model))
     return run(fresh, [Request(list(p), max_tokens) for p in prompts])
 
 
 @pytest.mark.parametrize("max_batch", [1, 4])
 def test_a_failed_step_fails_its_requests_and_keeps_nothing_of_them(tiny, max_batch):
     faulty = Faulty(tiny.target)
-    model = replace(tiny, target=faulty, suffixes=SuffixStore())
-    cache = PromptCache(piece_tokens=8)
-    decoder = Decoder(model, cache, max_batch=max_batch)
+    learning, cache = fresh_learning(tiny), PromptCache(piece_tokens=8)
+    decoder = Decoder(replace(tiny, target=faulty), cache, max_batch=max_batch, learning=learning)
     uids = [decoder.add(Request(list(p), 24)).uid for p in PROMPTS]
     decoder.step()  # prefill; the first tokens out
     decoder.step()
@@ -103,7 +109,7 @@ def test_a_failed_step_fails_its_requests_and_keeps_nothing_of_them(tiny, max_ba
     assert in_step and in_step <= set(uids)
     if max_batch == 4:
         assert in_step == set(uids)
-    assert not cache.entries and len(model.suffixes) == 0  # nothing of the failed rows kept
+    assert not cache.entries and len(learning.suffixes) == 0  # nothing of the failed rows kept
     assert not decoder.rows and decoder.cache is None
     # the requests that were waiting (max_batch 1) go on exactly; so does everything asked later
     waiting = [uid for uid in uids if uid not in in_step]
@@ -121,9 +127,8 @@ def test_a_failed_step_fails_its_requests_and_keeps_nothing_of_them(tiny, max_ba
 def test_a_row_whose_tokens_are_refused_fails_alone(tiny):
     """A row's own state refusing its tokens (a grammar's) fails that row; the batch's other
     rows go on and answer exactly what they answer alone; nothing of the failed row is kept."""
-    model = replace(tiny, suffixes=SuffixStore())
     cache = PromptCache(piece_tokens=8)
-    decoder = Decoder(model, cache, max_batch=4)
+    decoder = Decoder(tiny, cache, max_batch=4, learning=fresh_learning(tiny))
     requests = [Request(list(p), 24, grammar=RefusingGrammar(at=4) if i == 1 else None) for i, p in enumerate(PROMPTS)]
     uids = [decoder.add(r).uid for r in requests]
     out, failed = {uid: [] for uid in uids}, {}
@@ -138,6 +143,29 @@ def test_a_row_whose_tokens_are_refused_fails_alone(tiny):
     failed_prompt = tuple(PROMPTS[1])
     assert all(key[: len(failed_prompt)] != failed_prompt for key in cache.entries)
     assert run(decoder, [Request(list(PROMPTS[1]), 24)]) == [expected[1]]
+
+
+def test_the_model_holds_no_decoding_state_and_the_process_keeps_it_across_calls(tiny_dirs):
+    """The model pair is target and drafter only: a Decoder given its own learning leaves the
+    one the process keeps for the model as it was, and generate() calls learn into that kept
+    one (the planner's steps, the answers drafted from), one call after another."""
+    from dflash_mlx import generate
+
+    model_dir, draft_dir = tiny_dirs
+    model, tokenizer = load(str(model_dir), str(draft_dir))
+    assert {f.name for f in fields(model)} == {"target", "draft", "draft_note", "fingerprint", "end_tokens"}
+    learnt = kept(model)
+    own = Learning(Planner(learnt.planner.cost, learnt.planner.max_width), SuffixStore())  # the same curve
+    alone, shared = Decoder(model, learning=own), Decoder(model)
+    assert alone.learning is own and shared.learning is learnt
+    assert run(alone, [Request(list(PROMPTS[0]), 12)]) and len(own.suffixes) > 0 and own.planner.steps > 0
+    assert len(learnt.suffixes) == 0 and learnt.planner.steps == 0  # the process's kept nothing of it
+    seen = []
+    for _ in range(2):
+        generate(model, tokenizer, "hello world", max_tokens=12)
+        assert kept(model) is learnt
+        seen.append((len(learnt.suffixes), learnt.planner.steps))
+    assert 0 < seen[0][0] < seen[1][0] and 0 < seen[0][1] < seen[1][1]
 
 
 CHATS = ["hello world", "the cat sat", "one two three", "tell me more"]
@@ -161,7 +189,9 @@ def test_a_replayed_mix_leaves_every_later_answer_as_a_fresh_server_gives_it(tin
     model_dir, draft_dir = tiny_dirs
     model, tokenizer = load(str(model_dir), str(draft_dir))
     faulty = Faulty(model.target)
-    server = make_app(replace(model, target=faulty), tokenizer, "tiny", max_batch=4)
+    served = replace(model, target=faulty)
+    keep(served, kept(model))  # the planner and the answers offline generation below uses too
+    server = make_app(served, tokenizer, "tiny", max_batch=4)
     http, port = serve_in_background(server)
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)

@@ -4,6 +4,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from dflash_mlx.decode.costs import CostModel
+from dflash_mlx.decode.learning import Learning, keep
 from dflash_mlx.decode.plan import Planner
 from dflash_mlx.decode.decoder import decode
 from dflash_mlx.decode.request import Request
@@ -85,7 +86,9 @@ def decoded(model, params=SamplingParams(), seed=None, max_tokens=48):
 def lookup_model(target):
     """The drafter's drafts are rejected: only the lookup can pay here.  Its passes take what
     the cost curve says, on an injected clock."""
-    return DFlashModel(Timed(target, Clock(COST)), random_draft(target, block_size=8), planner=Planner(COST, 8))
+    model = DFlashModel(Timed(target, Clock(COST)), random_draft(target, block_size=8))
+    keep(model, Learning(Planner(COST, 8)))  # what its decode() calls learn with
+    return model
 
 
 def test_greedy_lookup_decoding_equals_plain_greedy():

@@ -11,6 +11,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx.decode.costs import CostModel, StepTimes, measure_costs, monotone
 from dflash_mlx.decode.decoder import Decoder, decode
+from dflash_mlx.decode.learning import Learning
 from dflash_mlx.decode.lookup import NO_MATCH, Match
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.decode.plan import PLAIN, AcceptanceEstimate, Plan, Planner
@@ -273,8 +274,8 @@ def test_adaptive_decoding_is_lossless_and_adapts():
         (oracle_draft(target, prompt + reference + [0] * 16, block_size=16), True),
     ]:
         clock = Clock(cost)
-        model = DFlashModel(Timed(target, clock), drafter, planner=Planner(cost, 16))
-        decoder = Decoder(model, max_batch=1, clock=clock)
+        model = DFlashModel(Timed(target, clock), drafter)
+        decoder = Decoder(model, max_batch=1, clock=clock, learning=Learning(Planner(cost, 16)))
         row = decoder.add(Request(prompt, 40))
         out = []
         while decoder.busy:

@@ -17,6 +17,7 @@ from dflash_mlx import generate, load  # noqa: E402
 from dflash_mlx.api import BatchGenerator, format_prompt  # noqa: E402
 from dflash_mlx.serve import make_app, serve_in_background, worker  # noqa: E402
 from dflash_mlx.cache.prompt_cache import machine_memory  # noqa: E402
+from dflash_mlx.decode.learning import kept  # noqa: E402
 from dflash_mlx.decode.request import Request  # noqa: E402
 from tiny_models import Recording  # noqa: E402
 
@@ -296,8 +297,9 @@ def test_a_warm_up_runs_the_model_and_keeps_nothing(tiny_dirs):
     assert server.worker.warmed.wait(60)
     verifies = list((Counter(recording.passes) - Counter(recording.prefills)).elements())
     assert (1, model.draft.block_size) in verifies and (1, 1) in verifies
-    assert server.prompt_cache.nbytes == 0 and len(model.suffixes.tokens) == 0
-    assert model.planner.steps == 0 and not model.planner.long_run
+    learnt = kept(model)
+    assert server.prompt_cache.nbytes == 0 and len(learnt.suffixes.tokens) == 0
+    assert learnt.planner.steps == 0 and not learnt.planner.long_run
     http, port = serve_in_background(server)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx.decode.decoder import Decoder
+from dflash_mlx.decode.learning import Learning
 from dflash_mlx.decode.lookup import NO_MATCH
 from dflash_mlx.decode.model import DFlashModel
 from dflash_mlx.decode.plan import Planner
@@ -73,12 +74,10 @@ def test_a_request_copies_an_earlier_answer_losslessly(max_batch):
     reference = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=40)]
     cost = cpu_like(base=0.01, draft=0.0012)
     clock = Clock(cost)
-    model = DFlashModel(
-        Timed(target, clock), random_draft(target, block_size=16), planner=Planner(cost, 16), suffixes=SuffixStore()
-    )
-    passes = []
+    model = DFlashModel(Timed(target, clock), random_draft(target, block_size=16))
+    learning, passes = Learning(Planner(cost, 16), SuffixStore()), []
     for _ in range(2):
-        decoder = Decoder(model, max_batch=max_batch, clock=clock)
+        decoder = Decoder(model, max_batch=max_batch, clock=clock, learning=learning)
         row = decoder.add(Request(prompt, 40))
         if max_batch > 1:
             decoder.add(Request([9, 8, 7, 6], 40))

@@ -25,6 +25,7 @@ from ..kernels.fused_ops import fuse
 from ..io import blas
 from ..io.progress import console
 from ..io.storage import atomic_write, cache_dir, fetch
+from ..decode.learning import Learning, keep
 from ..decode.model import DFlashModel
 from ..decode.plan import Planner
 from ..decode.suffix import SuffixStore
@@ -84,7 +85,7 @@ def load(
         target = PipelineTarget(mlx_model, group, split, timeout)
         mx.eval(target.model.parameters())  # this rank's layers only
         if not target.is_driver:
-            return DFlashModel(target, None, f"rank {target.rank} follows rank 0", None), tokenizer
+            return DFlashModel(target, None, f"rank {target.rank} follows rank 0"), tokenizer
 
     notice = blas.slow_notice()
     if notice and target.dtype == mx.float32 and mx.default_device() == mx.cpu and notice not in _said:
@@ -121,9 +122,9 @@ def load(
     fingerprint = f"{target_path.name}-{target.dtype}-{_fingerprint(target_path)}"
     if drafter is not None:
         fingerprint += f"-{draft_id}"
-    suffixes = SuffixStore() if planner is not None else None  # read by adaptive requests only
-    ends = frozenset(tokenizer.eos_token_ids)
-    return DFlashModel(target, drafter, note, planner, fingerprint, suffixes, ends), tokenizer
+    pair = DFlashModel(target, drafter, note, fingerprint, frozenset(tokenizer.eos_token_ids))
+    keep(pair, Learning(planner, SuffixStore() if planner is not None else None))  # the process's, across calls
+    return pair, tokenizer
 
 
 _said: set[str] = set()  # one-line notices already printed by this process

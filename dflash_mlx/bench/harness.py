@@ -11,7 +11,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +22,7 @@ from mlx_lm.sample_utils import make_sampler
 from ..api import format_prompt, stream_generate
 from ..kernels.fused_ops import unfused
 from .prompt_sets import load_prompts
+from ..decode.learning import without_answers
 from ..decode.model import DFlashModel
 from ..io.progress import add_task, progress
 
@@ -71,7 +72,7 @@ def run_plain(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed) -> 
 def run_dflash(model: DFlashModel, tokenizer, prompt, max_tokens, mode, seed, block_size) -> Run:
     """Ours, timed the same way."""
     options = dict(temp=SAMPLED["temp"], top_p=SAMPLED["top_p"]) if mode == "sampled" else {}
-    alone = replace(model, suffixes=None)  # each prompt as a first request: the other modes' answers are not copied
+    alone = without_answers(model)  # each prompt as a first request: the other modes' answers are not copied
     last, tps = _timed(
         stream_generate(alone, tokenizer, prompt, max_tokens, seed=seed, block_size=block_size, **options)
     )

@@ -25,7 +25,7 @@ the same noise per (seed, position) (sampling.py), whatever the widths and the b
 import logging
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -33,6 +33,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 
 from ..kernels.fused_ops import fusing
 from .idle import IdlePrefills
+from .learning import Learning, kept
 from .model import DecodeStats, DFlashModel, Step
 from .plan import PLAIN, Plan, fixed_plan, step_passes
 from ..cache.prompt_cache import PromptCache
@@ -102,8 +103,10 @@ class Decoder:
         max_batch: int = 8,
         max_batch_tokens: Optional[int] = None,
         clock: Optional[Callable[[], float]] = None,
+        learning: Optional[Learning] = None,
     ):
         self.model, self.clock = model, clock or time.perf_counter
+        self.learning = learning if learning is not None else kept(model)  # the process's, unless given one
         self.prefix = PrefixPolicy(model, prompt_cache)
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.rows: list[Row] = []  # decoding, in the cache's row order
@@ -131,7 +134,7 @@ class Decoder:
     def add(self, request: Request, stats: Optional[DecodeStats] = None) -> Row:
         """Queue a request; its row (its uid, what it committed, its statistics: into `stats`
         when given).  Its Steps come out of step()."""
-        row, self._next_uid = Row(request, self._next_uid, self.model, stats), self._next_uid + 1
+        row, self._next_uid = Row(request, self._next_uid, self.model, self.learning, stats), self._next_uid + 1
         self.waiting.append(row)
         self.idle.asked(request.prompt)
         return row
@@ -190,8 +193,8 @@ class Decoder:
     def _keep_learnt(self) -> None:
         """What the planner learnt of this machine's step times, written for the next process
         (when the decoder falls idle or closes)."""
-        if self.model.planner is not None:
-            self.model.planner.step_times.flush()
+        if self.learning.planner is not None:
+            self.learning.planner.step_times.flush()
 
     def _abandon(self, error: Exception) -> set[int]:
         """After a failed step: the uids of every request it was decoding or prefilling, dropped
@@ -334,7 +337,7 @@ class Decoder:
             self._queue_next(self.rows, done[0][1])
         PHASES.lap("verify build")
         settled_steps, settled_failed, self._read_at = settle(
-            done, self.rows, self.cache, self.model.planner, started, self.clock
+            done, self.rows, self.cache, self.learning.planner, started, self.clock
         )
         steps.update(settled_steps)
         failed.update(settled_failed)
@@ -343,7 +346,9 @@ class Decoder:
     def _passes(self) -> list[tuple[int, list[Plan]]]:
         """The step's target passes, as (first row, plans of its rows) (plan.step_passes), the
         batch's rows reordered first when they are not in the passes' order."""
-        order, passes = step_passes(self.model.planner, self.rows, self.model.draft is not None, self.cache.splittable)
+        order, passes = step_passes(
+            self.learning.planner, self.rows, self.model.draft is not None, self.cache.splittable
+        )
         if order != list(range(len(self.rows))):
             self.rows = [self.rows[i] for i in order]
             self.cache.keep_rows(order)
@@ -355,7 +360,7 @@ class Decoder:
         (whose next mask needs this token) and the plan ahead is plain for every row."""
         if self.waiting or self.filling or any(row.left <= 1 or row.constraint is not None for row in rows):
             return
-        planner = self.model.planner
+        planner = self.learning.planner
         plans = (
             planner.plan(rows, self.model.draft is not None, lookahead=1)
             if planner
@@ -373,12 +378,14 @@ def decode(
     prompt_cache: Optional[PromptCache] = None,
     clock: Optional[Callable[[], float]] = None,
     stats: Optional[DecodeStats] = None,
+    learning: Optional[Learning] = None,
 ) -> Iterator[Step]:
     """One request decoded alone (a batch of one): its Steps until its max_tokens are out (the
     caller stops earlier on EOS or stop strings by closing the generator), timed by `clock`
     (time.perf_counter by default), its statistics into `stats`.  With a `prompt_cache`, the
-    longest prefix it holds is restored instead of prefilled."""
-    decoder = Decoder(model, prompt_cache, max_batch=1, clock=clock)
+    longest prefix it holds is restored instead of prefilled.  It learns into `learning`, by
+    default the one the process keeps for `model`."""
+    decoder = Decoder(model, prompt_cache, max_batch=1, clock=clock, learning=learning)
     uid = decoder.add(request, stats).uid
     try:
         while decoder.busy:
@@ -399,8 +406,7 @@ def warm_up(model: DFlashModel, max_batch: int = 1) -> None:
     """A short request decoded and dropped, drafting and then plain, on a decoder of the
     server's shape (no prompt cache; no answers, acceptance or step times kept), so that a fresh
     server's first request does not pay for the first calls (kernels built, buffers allocated)."""
-    quiet = replace(model, planner=None, suffixes=None)
-    decoder = Decoder(quiet, max_batch=max_batch)
+    decoder = Decoder(model, max_batch=max_batch, learning=Learning())  # its own, learning nothing
     prompt = [i % model.target.vocab_size for i in range(prefill_pass() + 16)]
     widest = model.draft.block_size if model.draft is not None else 1
     try:

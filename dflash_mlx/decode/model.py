@@ -3,7 +3,7 @@ statistics, and what one cycle committed."""
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from mlx.utils import tree_flatten
 
@@ -11,21 +11,16 @@ from ..drafters import DFlashDraftModel
 from ..sampling import TokenLogprob
 from ..target.wrapper import Target
 
-if TYPE_CHECKING:
-    from .plan import Planner
-    from .suffix import SuffixStore
 
-
-@dataclass
+@dataclass(eq=False)  # compared, and kept apart (learning.kept), by identity
 class DFlashModel:
-    """A target with an optional drafter bound to it."""
+    """A target with an optional drafter bound to it; what decoding learns is not its own
+    (learning.py)."""
 
     target: Target
     draft: Optional[DFlashDraftModel] = None
     draft_note: str = ""  # why there is no drafter, when there is none
-    planner: Optional["Planner"] = None  # adaptive verify widths, kept across generations
     fingerprint: str = ""  # names the weights (a saved cache state is only valid for them)
-    suffixes: Optional["SuffixStore"] = None  # earlier answers, proposed from (suffix.py)
     end_tokens: frozenset = frozenset()  # the tokenizer's EOS: the prompt lookup copies from none (lookup.py)
 
     @property

@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 
 from .grammar import Grammar
+from .learning import Learning
 from .lookup import Match, PromptLookup
 from .model import DecodeStats, DFlashModel, Step
 from .plan import Plan
@@ -255,13 +256,15 @@ class Row:
     grammar state; the planner's estimates; what is left to prefill, what it committed
     (`output`) and its statistics (`stats`, the caller's to read when it passes one)."""
 
-    def __init__(self, request: Request, uid: int, model: DFlashModel, stats: Optional[DecodeStats] = None):
+    def __init__(
+        self, request: Request, uid: int, model: DFlashModel, learning: Learning, stats: Optional[DecodeStats] = None
+    ):
         # the edge refused these already (build_request); the decoder's own callers (decode(), the
         # training's evaluation) are guarded too: an embedding read past its table reads memory
         check_token_ids(request.prompt, model.target.vocab_size)
         self.request, self.uid = request, uid
         self.stats = stats if stats is not None else DecodeStats()
-        self.adaptive = model.draft is not None and request.block_size is None and model.planner is not None
+        self.adaptive = model.draft is not None and request.block_size is None and learning.planner is not None
         self.block = 1 if model.draft is None else (request.block_size or model.draft.block_size)
         self.stats.block_size, self.stats.adaptive = self.block, self.adaptive
         self.context = Context(model)
@@ -269,7 +272,7 @@ class Row:
         if not request.params.greedy:
             self.noise = Noise(new_seed() if request.seed is None else request.seed, model.target.vocab_size)
         self.lookup = PromptLookup(request.prompt, ends=model.end_tokens) if self.adaptive else None
-        self.suffixes: Optional[SuffixStore] = model.suffixes if self.adaptive else None  # earlier answers
+        self.suffixes: Optional[SuffixStore] = learning.suffixes if self.adaptive else None  # earlier answers
         self.constraint = request.grammar.start() if request.grammar is not None else None  # the grammar's state
         self.estimates: dict = {}  # kind -> AcceptanceEstimate (plan.py)
         self.since_draft = 0
@@ -277,8 +280,8 @@ class Row:
         self.unfilled: list[int] = []  # prompt tokens still to prefill
         self.token = -1  # the last committed token
         self.output: list[int] = []  # every committed token
-        if model.planner is not None:
-            model.planner.start(self)
+        if learning.planner is not None:
+            learning.planner.start(self)
 
     @property
     def prompt(self) -> list[int]:

@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from ..api.generation import bounds_of
 from ..cache.prompt_cache import PromptCache, default_bytes, machine_memory
+from ..decode.learning import kept
 from ..decode.request import Request as EngineRequest
 from .access_log import CLIENT_CLOSED, AccessLog, record_generation
 from .anthropic_api import AnthropicAPI
@@ -389,7 +390,7 @@ def model_entry(server: Server, anthropic_shape: bool) -> dict:
     facts = {
         "drafter": draft is not None,
         "block_size": draft.block_size if draft else 1,
-        "adaptive_width": server.model.planner is not None,
+        "adaptive_width": kept(server.model).planner is not None,
         "batching": server.max_batch > 1,
         "max_batch": server.max_batch,
         "max_batch_tokens": server.max_batch_tokens if server.max_batch > 1 else None,
