@@ -378,14 +378,13 @@ def decode(
     prompt_cache: Optional[PromptCache] = None,
     clock: Optional[Callable[[], float]] = None,
     stats: Optional[DecodeStats] = None,
-    learning: Optional[Learning] = None,
 ) -> Iterator[Step]:
     """One request decoded alone (a batch of one): its Steps until its max_tokens are out (the
     caller stops earlier on EOS or stop strings by closing the generator), timed by `clock`
     (time.perf_counter by default), its statistics into `stats`.  With a `prompt_cache`, the
-    longest prefix it holds is restored instead of prefilled.  It learns into `learning`, by
-    default the one the process keeps for `model`."""
-    decoder = Decoder(model, prompt_cache, max_batch=1, clock=clock, learning=learning)
+    longest prefix it holds is restored instead of prefilled.  It learns into what the process
+    keeps for `model` (learning.kept)."""
+    decoder = Decoder(model, prompt_cache, max_batch=1, clock=clock)
     uid = decoder.add(request, stats).uid
     try:
         while decoder.busy:
