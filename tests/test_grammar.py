@@ -60,6 +60,7 @@ def test_a_bad_schema_is_a_clear_error(plain):
         Grammar.json(tokenizer, model.target.vocab_size, {"type": "no-such-type"})
 
 
+@pytest.mark.slow  # the real default pair
 def test_the_default_pair_answers_in_the_schema(smollm2_dir):
     model, tokenizer = load(adaptive=False)
     schema = {

@@ -290,6 +290,7 @@ def test_block_attention_reads_each_kv_element_once(emulator, L, G, window, cont
     assert launch.grid[1] == splits  # one tile covers every query row of a KV head at these sizes
 
 
+@pytest.mark.slow  # a 4k-key emulated launch
 def test_long_context_is_spread_over_many_threadgroups(emulator):
     """A 16-token block over a 4k context on 8 KV heads (the Qwen3 drafters' count; one query
     head each keeps the emulation short): each head's keys are split across threadgroups, 64
@@ -473,6 +474,7 @@ def mac_check(monkeypatch):
     return mac_check
 
 
+@pytest.mark.slow  # every section of the Mac check, emulated
 def test_mac_check_without_metal_reports_every_section(mac_check, tmp_path, monkeypatch):
     """On this Linux machine the check runs end to end on the default SmolLM2 pair (quick): every
     section is in the report, the Metal ones skipped with the reason, the others done."""

@@ -37,6 +37,7 @@ def checked_here(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_interleaved_ms", lambda kernel, twin: (1.0, 2.0))
 
 
+@pytest.mark.slow  # emulated kernel rows
 def test_kernel_rows_cover_causal_windowed_and_fp16_through_the_emulator(mac_check, checked_here, monkeypatch):
     monkeypatch.setattr(kernels, "run_metal", run_emulated)
     outcome = mac_check.kernel_self_checks(quick=True, shapes=SMALL_SHAPES)

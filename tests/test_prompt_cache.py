@@ -39,13 +39,15 @@ def run(model, prompt, cache=None, params=SamplingParams(), seed=None):
 
 @pytest.mark.parametrize(
     "model_type, overrides",
-    [
-        ("llama", {}),
-        ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
-        ("qwen3", {}),
-        ("qwen3_moe", {}),
-        ("qwen3_5", {}),
-    ],
+    by_family(
+        [
+            ("llama", {}),
+            ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+            ("qwen3", {}),
+            ("qwen3_moe", {}),
+            ("qwen3_5", {}),
+        ]
+    ),
 )
 def test_cached_prompts_decode_exactly_as_cold(model_type, overrides):
     target = tiny_target(model_type, seed=2, **overrides)
@@ -480,7 +482,7 @@ def test_weights_are_hashed_again_only_when_their_file_changes(tmp_path, monkeyp
     assert _fingerprint(folder) == rewritten and len(hashed) == 3
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("model_type", by_family(["qwen3", "qwen3_5"]))
 def test_sessions_on_one_system_prompt_hold_it_once(model_type):
     """Entries keep the positions their tokens share once (pieces named by the tokens up to their
     end): four sessions on one system prompt hold it once, not four times, and restore exactly;

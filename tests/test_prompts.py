@@ -43,6 +43,7 @@ def test_edit_prompts_ask_one_change_of_a_whole_function_and_share_no_span_with_
         read_prompts("edits:x")
 
 
+@pytest.mark.slow  # reads the Python docs' topics (~40 s)
 def test_revision_prompts_ask_one_change_of_a_paragraph_and_share_no_span_with_benchmarks():
     revisions = read_prompts("revisions")
     assert revisions == revision_prompts(0) and len(revisions) > 300 and len(set(revisions)) == len(revisions)

@@ -89,8 +89,10 @@ def chi_square_p_value(counts, expected_probs, min_expected=5.0):
 
 @pytest.mark.parametrize(
     "params, rows",
-    [(SamplingParams(temp=1.0), 1), (SamplingParams(temp=0.7, top_p=0.9, top_k=4), 50)],
-    ids=["temp1-alone", "temp0.7-topp-topk-batched"],
+    [
+        pytest.param(SamplingParams(temp=1.0), 1, id="temp1-alone", marks=pytest.mark.slow),  # 1500 decodes alone
+        pytest.param(SamplingParams(temp=0.7, top_p=0.9, top_k=4), 50, id="temp0.7-topp-topk-batched"),
+    ],
 )
 def test_dflash_samples_follow_the_target_distribution(pair, params, rows):
     target, draft = pair
