@@ -1,0 +1,110 @@
+"""The real Gemma 3 270M (base model, sliding-window attention on five layers of six): its
+tokenizer against the GGUF's vocabulary, its 8-bit variant against float32, and greedy DFlash
+equal to plain mlx-lm greedy decoding with prompts shorter and far longer than the window."""
+
+import sysconfig
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.convert.gemma3 import GEMMA3
+from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.target.wrapper import Target
+from tiny_models import oracle_draft, random_draft
+
+pytestmark = pytest.mark.slow  # a 270M model, prompts up to 24k tokens
+
+LAYERS = (1, 5, 9, 13, 16)
+MAX_TOKENS = 24
+MIXED = "def f(x):\n    return x  +  1   # spaces\n\n\tTabs, ünïcödé, 世界, emoji 🙂, <b>html</b> 3.14159"
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_dir):
+    return mlx_lm.load(str(gemma3_dir))
+
+
+@pytest.fixture(scope="module")
+def target(gemma3):
+    return Target(gemma3[0])
+
+
+def stdlib_text(tokenizer, tokens: int) -> list[int]:
+    """`tokens` ids of Python standard-library source (a BOS first): a long, deterministic prompt."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = ""
+    for name in ("argparse.py", "textwrap.py", "difflib.py", "inspect.py", "typing.py", "pathlib.py"):
+        text += (root / name).read_text()
+        ids = tokenizer.encode(text)
+        if len(ids) >= tokens:
+            return ids[:tokens]
+    raise AssertionError("not enough standard-library text")
+
+
+def test_tokenizer_round_trips_and_matches_the_gguf_vocabulary(gemma3):
+    import gguf
+
+    _, tokenizer = gemma3
+    ids = tokenizer.encode(MIXED)
+    assert ids[0] == tokenizer.bos_token_id == 2 and ids.count(2) == 1
+    assert tokenizer.decode(ids[1:]) == MIXED
+    reader = gguf.GGUFReader(str(GEMMA3.gguf(show_progress=False)))
+    vocab = reader.fields["tokenizer.ggml.tokens"].contents()
+    for text, pieces in [
+        ("Hello world", ["Hello", "▁world"]),
+        ("<start_of_turn>user\n", ["<start_of_turn>", "user", "\n"]),
+        ("x<end_of_turn>", ["x", "<end_of_turn>"]),
+    ]:
+        assert [vocab[i] for i in tokenizer.encode(text, add_special_tokens=False)] == pieces
+    spaces = tokenizer.encode("a    b", add_special_tokens=False)
+    assert len(spaces) == 3 and vocab[spaces[1]] in ("▁▁▁▁", "    ")  # a run of spaces is one token
+
+
+def test_answers_sensibly_and_8bit_agrees(gemma3, tmp_path):
+    model, tokenizer = gemma3
+    prompt = tokenizer.encode("def fibonacci(n):\n   ")
+    greedy = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
+    assert "return" in tokenizer.decode(greedy)  # a base model: it continues the code
+    q8, _ = mlx_lm.load(str(GEMMA3.path("q8", show_progress=False)))
+    ids = mx.array([stdlib_text(tokenizer, 600)])  # past the 512-token window
+
+    def last_logits(m):  # the 262k-row head only at the last 64 positions: quantized matmuls are slow here
+        return m.model.embed_tokens.as_linear(m.model(ids)[:, -64:])[0].astype(mx.float32)
+
+    agree = (last_logits(model).argmax(-1) == last_logits(q8).argmax(-1)).mean().item()
+    assert agree > 0.9, agree
+
+
+def plain(target, prompt, max_tokens):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=max_tokens)]
+
+
+def dflash(target, draft, prompt, max_tokens=MAX_TOKENS):
+    stats = DecodeStats()
+    out = [
+        t
+        for s in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens, stats=stats)
+        for t in s.tokens
+    ]
+    return out, stats
+
+
+@pytest.mark.parametrize("length", [1024, 8192, 24576])
+def test_dflash_equals_plain_greedy_at_long_context(gemma3, target, length):
+    """An oracle drafter right except at chosen positions (full and partial acceptance: the
+    sliding-window layers' rotating caches are rolled back after they wrapped), and at 1k a
+    random one (nearly every draft rejected)."""
+    prompt = stdlib_text(gemma3[1], length)
+    reference = plain(target, prompt, MAX_TOKENS + 16)
+    wrong = {length + 3, length + 4, length + 11}
+    oracle = oracle_draft(target, prompt + reference, wrong=wrong, layer_ids=LAYERS, block_size=8)
+    out, stats = dflash(target, oracle, prompt)
+    assert out == reference[:MAX_TOKENS]
+    assert stats.tau > 2
+    if length == 1024:
+        assert dflash(target, random_draft(target, layer_ids=LAYERS, block_size=4), prompt)[0] == reference[:MAX_TOKENS]
