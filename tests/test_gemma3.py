@@ -65,6 +65,7 @@ def test_tokenizer_round_trips_and_matches_the_gguf_vocabulary(gemma3):
     assert len(spaces) == 3 and vocab[spaces[1]] in ("▁▁▁▁", "    ")  # a run of spaces is one token
 
 
+@pytest.mark.long  # converts and runs the 8-bit variant: MLX's quantized matmuls are slow on a CPU
 def test_answers_sensibly_and_8bit_agrees(gemma3, tmp_path):
     model, tokenizer = gemma3
     prompt = tokenizer.encode("def fibonacci(n):\n   ")
@@ -95,7 +96,7 @@ def dflash(target, draft, prompt, max_tokens=MAX_TOKENS):
     return out, stats
 
 
-@pytest.mark.parametrize("length", [1024, 8192, 24576])
+@pytest.mark.parametrize("length", [1024, 8192, pytest.param(24576, marks=pytest.mark.long)])
 def test_dflash_equals_plain_greedy_at_long_context(gemma3, target, length):
     """An oracle drafter right except at chosen positions (full and partial acceptance: the
     sliding-window layers' rotating caches are rolled back after they wrapped), and at 1k a
