@@ -367,6 +367,10 @@ def test_a_responses_answer_with_text_and_a_call_is_followed_up_as_it_comes_back
     question = [{"role": "user", "content": "Weather in Paris?"}]
     first = live.openai.responses.create(model="tiny", input=question, tools=tools)
     assert [item.type for item in first.output] == ["message", "function_call"]
+    deadline = time.monotonic() + 10  # offered once the answer is out (a background task): the client acts first
+    while not followed:
+        assert time.monotonic() < deadline, "the answer's next turn was never offered for prefill"
+        time.sleep(0.01)
     call = first.output[1]
     follow = question + [item.model_dump(exclude_none=True) for item in first.output]
     follow.append({"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"})
