@@ -3,6 +3,7 @@
 import json
 
 import mlx.core as mx
+import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx import load
@@ -24,6 +25,7 @@ def tiny_pair(tmp_path):
     return target_dir, save_draft(drafter, tmp_path / "drafter")
 
 
+@pytest.mark.slow  # matplotlib plots
 def test_harness_writes_results_tables_and_plots(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))  # cost curve cached here, not in ~
     target_dir, drafter_dir = tiny_pair(tmp_path)

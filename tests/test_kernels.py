@@ -311,7 +311,7 @@ def test_long_context_is_spread_over_many_threadgroups(emulator):
         assert launch.grid[1] * launch.grid[2] >= 64, L
 
 
-@pytest.mark.parametrize("L", [1, 4, 8, 16])
+@pytest.mark.parametrize("L", [1, 4, pytest.param(8, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)])
 def test_every_simdgroup_has_work_at_narrow_widths(emulator, L):
     """The drafters' heads (32 query, 8 KV, head_dim 128): a KV head's rows number 4 L, and a
     threadgroup has 8 simdgroups of 8 rows; below width 16 simdgroups share rows, taking every

@@ -113,6 +113,7 @@ def test_dflash2_samples_follow_the_target_distribution(pair):
     assert stats.histogram[1] > 0  # some selector proposals were accepted
 
 
+@pytest.mark.slow  # 2500 samples; the batched DFlash check above stays in the fast subset
 def test_plain_decoding_samples_follow_the_target_distribution(pair):
     """The pipelined plain path (the fused sampler, used whenever drafting does not pay)."""
     target, _ = pair
@@ -122,6 +123,7 @@ def test_plain_decoding_samples_follow_the_target_distribution(pair):
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
+@pytest.mark.slow  # the check's negative control, 2500 samples
 def test_the_check_detects_a_biased_sampler(pair, monkeypatch):
     """Negative control: accepting every draft token must fail the same test."""
     target, draft = pair

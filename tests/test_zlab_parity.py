@@ -187,6 +187,7 @@ def test_dflash2_drafts_match_zlab(model_type, layer_types, tmp_path, monkeypatc
     assert overruled  # the selector's edge term really chose, so this comparison could fail
 
 
+@pytest.mark.slow  # the real default pair
 def test_the_shipped_drafter_in_float_loads_in_zlab_code(smollm2_dir, tmp_path, monkeypatch):
     """The drafter we ship (8-bit), expanded to float32 by `convert draft`, is read by z-lab's
     loader and drafts the block logits ours drafts, on SmolLM2's own features."""
