@@ -13,6 +13,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx.convert.gemma3 import GEMMA3
 from dflash_mlx.decode.decoder import decode
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.request import Request
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
 from tiny_models import oracle_draft, random_draft
@@ -88,11 +89,8 @@ def plain(target, prompt, max_tokens):
 
 def dflash(target, draft, prompt, max_tokens=MAX_TOKENS):
     stats = DecodeStats()
-    out = [
-        t
-        for s in decode(DFlashModel(target, draft), mx.array(prompt), SamplingParams(), max_tokens, stats=stats)
-        for t in s.tokens
-    ]
+    request = Request(list(prompt), max_tokens, SamplingParams())
+    out = [t for s in decode(DFlashModel(target, draft), request, stats=stats) for t in s.tokens]
     return out, stats
 
 
