@@ -28,6 +28,7 @@ from dflash_mlx.api.registry import DEFAULT_DRAFT
 from dflash_mlx.convert.models import convert_target
 from dflash_mlx.convert.smollm2 import DEFAULT_MODEL, smollm2_path
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.drafters import load_draft
 from dflash_mlx.drafters.precision import apply_precision, draft_precision, runs_packed
@@ -76,7 +77,7 @@ def main(prompts: int = 8, max_tokens: int = 64):
         outputs = {}
         for name, model in models.items():  # interleaved: every variant on this prompt, then the next
             stats = DecodeStats()
-            steps = decode(model, mx.array(prompt), SamplingParams(), max_tokens, BLOCK, stats)
+            steps = decode(model, Request(list(prompt), max_tokens, SamplingParams(), block_size=BLOCK), stats=stats)
             outputs[name] = [t for step in steps for t in step.tokens]
             lengths[name] += stats.accepted_lengths
         for name, tokens in outputs.items():
