@@ -96,14 +96,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: int = 0):
-    """Write a tiny `arch` GGUF with 2-D weights stored as `qtype`; returns (source model, tokenizer)."""
-    pre = "default" if arch == "llama" else "qwen2"
-    tok = tiny_tokenizer(pre)
-    vocab = tok.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    model, config = tiny_hf_model(arch, len(tokens), seed)
-    writer = gguf.GGUFWriter(str(path), arch)
+def add_hyperparameters(writer, config: dict) -> None:
+    """The llama.cpp hyperparameters every architecture's GGUF carries, from an HF config."""
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -113,6 +107,17 @@ def write_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: int = 
     writer.add_key_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
+def write_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: int = 0):
+    """Write a tiny `arch` GGUF with 2-D weights stored as `qtype`; returns (source model, tokenizer)."""
+    pre = "default" if arch == "llama" else "qwen2"
+    tok = tiny_tokenizer(pre)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    model, config = tiny_hf_model(arch, len(tokens), seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_hyperparameters(writer, config)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -205,16 +210,8 @@ def write_gemma3_gguf(path: Path, qtype: str = "F32", seed: int = 0):
     mx.eval(model.parameters())
 
     writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
+    add_hyperparameters(writer, config)
     writer.add_value_length(config["head_dim"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_sliding_window(config["sliding_window"])
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
