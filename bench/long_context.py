@@ -2,7 +2,7 @@
 2k, 4k and 8k prompt tokens (SmolLM2's context is 8k).
 
     python bench/long_context.py [--lengths 2048,4096,8000] [--max-tokens 128] [--reps 2]
-        [--out bench/results/long-context]
+        [--model gemma-3-270m --draft DIR] [--out bench/results/long-context]
 
 Each prompt is a source file of HumanEval stubs cut to the length, then a question about it
 (the `long` set's shape, longer).  Per length and rep, plain mlx-lm (`stream_generate`, its own
@@ -46,9 +46,11 @@ def main(
     lengths: str = typer.Option("2048,4096,8000", "--lengths"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     reps: int = typer.Option(2, "--reps"),
+    model: Optional[str] = typer.Option(None, "--model", help="Target (default: the default pair's)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter dir (default: the registry's)."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ):
-    pair, tokenizer = load()
+    pair, tokenizer = load(model, draft)
     sizes = [int(n) for n in lengths.split(",")]
     rows = []
     with progress() as bar:
