@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -131,10 +132,35 @@ def call_text(tokenizer, call: dict) -> str:
     return syntax.start + json.dumps(call) + syntax.end
 
 
+class Recorder:
+    """ASGI middleware keeping every POST's path and JSON body, in order, before the app reads it."""
+
+    def __init__(self, app, kept: list[dict]):
+        self.app, self.kept = app, kept
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        messages, body = [], b""
+        while True:
+            message = await receive()
+            messages.append(message)
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.kept.append({"path": scope["path"], "body": json.loads(body or b"null")})
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)
+
+
 @contextmanager
-def scripted_server(model, tokenizer, reply, model_id: str = "scripted"):
+def scripted_server(model, tokenizer, reply, model_id: str = "scripted", record: Optional[list] = None):
     """The real server on a free loopback port, its engine replaced by `reply` (model_id: a name
-    `launch` cannot find a window for, so every agent is run with its own defaults)."""
+    `launch` cannot find a window for, so every agent is run with its own defaults); each POST's
+    path and body appended to `record` where one is given."""
     from live_server import live_server
     from scripted_engine import scripted_batch
 
@@ -143,17 +169,24 @@ def scripted_server(model, tokenizer, reply, model_id: str = "scripted"):
     original = worker.BatchGenerator
     worker.BatchGenerator = scripted_batch(reply)
     try:
-        with live_server(model, tokenizer, model_id, prompt_cache_bytes=0) as served:
+        wrap = None if record is None else partial(Recorder, kept=record)
+        with live_server(model, tokenizer, model_id, wrap=wrap, prompt_cache_bytes=0) as served:
             yield served
     finally:
         worker.BatchGenerator = original
 
 
 def run_session(
-    agent: str, model, tokenizer, bin_dir: Path, timeout: float = TIMEOUT, arguments: Optional[list[str]] = None
+    agent: str,
+    model,
+    tokenizer,
+    bin_dir: Path,
+    timeout: float = TIMEOUT,
+    arguments: Optional[list[str]] = None,
+    record: Optional[list] = None,
 ) -> dict:
     """One agent's scripted session through `dflash-mlx launch --port` (with `arguments` after
-    --, else agent_arguments'); what happened."""
+    --, else agent_arguments'); what happened.  Its POST bodies are appended to `record` where one is given."""
     import logging
 
     seen: list[dict] = []
@@ -191,7 +224,7 @@ def run_session(
         (home / ".codex").mkdir()
         reply = scripted_reply(agent, folder, tokenizer, seen)
         try:
-            with scripted_server(model, tokenizer, reply) as served:
+            with scripted_server(model, tokenizer, reply, record=record) as served:
                 command = [sys.executable, "-m", "dflash_mlx.cli", "launch", agent, "--port", str(served.port)]
                 started = time.monotonic()
                 try:
@@ -283,6 +316,11 @@ def main():
         "--args", default=None, help="The agent's arguments instead of the tool task (one agent), e.g. '-p hi --bare'."
     )
     parser.add_argument(
+        "--record",
+        default=None,
+        help="Write every POST the agents sent (path and JSON body, in order) to this JSON file.",
+    )
+    parser.add_argument(
         "--loopback-only",
         action="store_true",
         help="Run the sessions in a network namespace with only loopback (the CLIs installed first).",
@@ -299,14 +337,16 @@ def main():
     from dflash_mlx import load
 
     model, tokenizer = load(args.model, use_draft=False)
-    results = []
+    results, recorded = [], []
     for agent in args.agents.split(","):  # one at a time: the machine is shared
         arguments = shlex.split(args.args) if args.args else None
-        session = run_session(agent, model, tokenizer, bin_dir, arguments=arguments)
+        session = run_session(agent, model, tokenizer, bin_dir, arguments=arguments, record=recorded)
         results.append({**session, "network": "loopback only" if os.environ.get(ISOLATED_ENV) else "host"})
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("stdout", "stderr")}), flush=True)
     lines = table(results)
     print("\n".join(lines))
+    if args.record:
+        Path(args.record).write_text(json.dumps(recorded, indent=1, ensure_ascii=False) + "\n")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

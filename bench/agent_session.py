@@ -733,6 +733,11 @@ def agent_sessions(count: int, turns: int) -> list[dict]:
     return out
 
 
+def recorded_sessions(count: int, turns: int) -> list[dict]:
+    """Coding sessions on Claude Code's recorded first request (claude_opening, claude_body)."""
+    return [{**session, "recorded": True} for session in agent_sessions(count, turns)]
+
+
 def canonical(parts: list[tuple]) -> str:
     """An answer as (text or tool name, tool input) pairs: what is compared between servers (call ids differ)."""
     return json.dumps(parts, ensure_ascii=False)
@@ -762,22 +767,35 @@ def as_chat(messages: list[dict], tools: list[dict]) -> list[dict]:
     return _with_tool_text(messages, tools) if tools else messages
 
 
+MODEL = {"name": None}  # --model: the served model's short name or folder (None: SmolLM2-135M-Instruct)
+
+
+@lru_cache(maxsize=1)
+def model_dir() -> Path:
+    """The served model's mlx-lm folder (a short name converted on first use): what mlx_lm.server
+    loads, and whose tokenizer and window the bench reads."""
+    from dflash_mlx.api.registry import resolve
+
+    return Path(resolve(MODEL["name"]).target)
+
+
 @lru_cache(maxsize=1)
 def tokenizer():
     from mlx_lm.tokenizer_utils import load
 
-    from dflash_mlx.convert.smollm2 import smollm2_path
-
-    return load(smollm2_path(None))
+    return load(model_dir())
 
 
 def room(chat: list[dict]) -> int:
     """What the context leaves after the chat's prompt (mlx_lm.server does not cut max_tokens to
     it; ours does): sent to mlx_lm.server as its cut, so the answers end at the same place."""
-    from dflash_mlx.convert.smollm2 import smollm2_path
-
-    context = json.loads((smollm2_path(None) / "config.json").read_text())["max_position_embeddings"]
+    context = json.loads((model_dir() / "config.json").read_text())["max_position_embeddings"]
     return context - len(tokenizer().apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
+
+
+def ours_options() -> list[str]:
+    """`dflash-mlx serve`'s model option for the served model (none for the default)."""
+    return ["--model", MODEL["name"]] if MODEL["name"] else []
 
 
 class ContextFull(Exception):
@@ -830,33 +848,57 @@ def claude_system(text: str, marked: bool = True) -> list[dict]:
 
 def claude_opening(session: dict) -> list[dict]:
     """The session picked up after its first tool call (scripted, as the agent's model would make it):
-    the ask with the CLAUDE.md reminder, a Read of the file, its result."""
+    the ask with the CLAUDE.md reminder (a recorded session: Claude Code's recorded first messages,
+    the session's ask in place of their prompt), a Read of the file, its result."""
     call = {"type": "tool_use", "id": "toolu_01", "name": "Read", "input": {"file_path": "/home/user/app/tasks.py"}}
+    if session.get("recorded"):
+        recorded = recorded_claude()["messages"]  # the prompt after a reminder, then a system-role message
+        first = [
+            {"role": "user", "content": [recorded[0]["content"][0], {"type": "text", "text": session["turns"][0]}]},
+            *recorded[1:],
+        ]
+    else:
+        first = [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": CLAUDE_MD}, {"type": "text", "text": session["turns"][0]}],
+            }
+        ]
     return [
-        {
-            "role": "user",
-            "content": [{"type": "text", "text": CLAUDE_MD}, {"type": "text", "text": session["turns"][0]}],
-        },
+        *first,
         {"role": "assistant", "content": [{"type": "text", "text": "I'll read tasks.py first."}, call]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": numbered(SOURCE)}]},
     ]
 
 
+CLAUDE_RECORDED = Path(__file__).parent.parent / "tests" / "fixtures" / "claude-code-2.1.197-request.json"
+RECORDED_FIELDS = ("model", "system", "tools", "metadata", "thinking", "context_management", "output_config")
+
+
+@lru_cache(maxsize=1)
+def recorded_claude() -> dict:
+    """Claude Code 2.1.197's first request (`claude -p "Say hi"`), as it reached a server."""
+    return json.loads(CLAUDE_RECORDED.read_text())
+
+
 def claude_body(session: dict, messages: list[dict], max_tokens: int) -> dict:
-    """A main-loop request as Claude Code sends it (the last message's last block marked for the cache)."""
+    """A main-loop request as Claude Code sends it (the last message's last block marked for the
+    cache); a recorded session's with the recorded request's system blocks, 25 tools and options."""
     last = {
         **messages[-1],
         "content": [*messages[-1]["content"][:-1], {**messages[-1]["content"][-1], "cache_control": EPHEMERAL}],
     }
-    return dict(
-        model="claude-sonnet-4-6",
-        system=claude_system(CLAUDE_SYSTEM),
-        messages=[*messages[:-1], last],
-        tools=CLAUDE_TOOLS,
-        thinking={"type": "enabled", "budget_tokens": 1024},
-        metadata={"user_id": session["user_id"]},
-        max_tokens=max_tokens,
-    )
+    if session.get("recorded"):
+        fields = {k: recorded_claude()[k] for k in RECORDED_FIELDS}
+    else:
+        fields = dict(
+            model="claude-sonnet-4-6",
+            system=claude_system(CLAUDE_SYSTEM),
+            tools=CLAUDE_TOOLS,
+            thinking={"type": "enabled", "budget_tokens": 1024},
+            metadata={"user_id": session["user_id"]},
+        )
+    return dict(fields, messages=[*messages[:-1], last], max_tokens=max_tokens)
 
 
 def title_body(session: dict, ask: str) -> dict:
@@ -1178,14 +1220,19 @@ def current_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def prompt_cache_mb(port: int) -> float:
-    """What the server's prompt cache holds in memory (its /metrics gauge), in MB."""
+def metric(port: int, name: str) -> float:
+    """One of the server's /metrics values."""
     import re
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
         text = response.read().decode()
-    return int(re.search(r"^dflash_prefix_cache_bytes (\d+)$", text, re.M).group(1)) / 2**20
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def prompt_cache_mb(port: int) -> float:
+    """What the server's prompt cache holds in memory, in MB."""
+    return metric(port, "dflash_prefix_cache_bytes") / 2**20
 
 
 def soak(count: int, turns: int, max_tokens: int, out) -> None:
@@ -1193,7 +1240,7 @@ def soak(count: int, turns: int, max_tokens: int, out) -> None:
     the prompt cache's part of it (states kept for the sessions' next turns)."""
     from dflash_mlx.bench.harness import machine
 
-    ours, port = start_ours(2)
+    ours, port = start_ours(2, *ours_options())
     rss, cached = [], []
     try:
         for k, session in enumerate(sessions(count, turns)):
@@ -1220,33 +1267,36 @@ def soak(count: int, turns: int, max_tokens: int, out) -> None:
     report(lines, out, "results.md", {"rss_mb": rss, "prompt_cache_mb": cached})
 
 
-def restart(turns: int, max_tokens: int, out) -> None:
-    """A session against ours with a prompt-cache folder; the server stopped (SIGTERM) and started
-    again on the folder; the session's first turn asked again: its TTFT against the warm turns'."""
+def restart(turns: int, max_tokens, out, shape: str = "default") -> None:
+    """A session against ours alone with a prompt-cache folder; the server stopped (SIGTERM) and a
+    new one started on the folder; the session's first turn asked again (`reopened`): its TTFT
+    against the warm turns'."""
     import tempfile
 
     from dflash_mlx.bench.harness import machine
 
-    session = sessions(1, turns)[0]
+    make_sessions, servers = SHAPES[shape]
+    session = make_sessions(1, turns)[0]
     with tempfile.TemporaryDirectory() as folder:
-        first = []
-        for run in range(2):
-            ours, port = start_ours(2, "--prompt-cache-dir", folder)
-            try:
-                chosen = session if run == 0 else {**session, "turns": session["turns"][:1]}
-                first.append([t["ttft"] for t in replay_ours(port, chosen, max_tokens)])
-            finally:
-                stop(ours, timeout=120)
-    warm = median(first[0][1:])
+        ours, port = start_ours(2, "--prompt-cache-dir", folder, *ours_options())
+        try:
+            first = servers["dflash-mlx"](port, session, max_tokens)
+            held = dict(ram_mb=prompt_cache_mb(port), ram_entries=int(metric(port, "dflash_prefix_cache_entries")))
+        finally:
+            tic = time.perf_counter()
+            stop(ours, timeout=900)  # the prompt cache written to the folder on the way out
+        again = reopened(folder, held, time.perf_counter() - tic, session, servers["dflash-mlx"], max_tokens)
+    warm = [t["ttft"] for t in first[1:]]
     lines = [
         f"Machine: {machine()}",
         f"Command: python {' '.join(sys.argv)}",
         "",
-        f"First turn cold {first[0][0]:.2f} s; later turns (warm) {' / '.join(f'{t:.2f}' for t in first[0][1:])} s; "
-        f"the first turn again after a restart on the folder: {first[1][0]:.2f} s "
-        f"({first[1][0] / warm:.2f}x the warm median)",
+        f"First turn cold {first[0]['ttft']:.2f} s; later turns (warm) "
+        f"{' / '.join(f'{t:.2f}' for t in warm)} s; the first turn again after a restart on the "
+        f"folder: {again['ttft']:.2f} s ({again['ttft'] / median(warm):.2f}x the warm median)",
+        reopened_line({"reopened": again, "dflash-mlx": {"ttft": [[first[0]["ttft"]]]}}),
     ]
-    report(lines, out, "restart.md")
+    report(lines, out, "restart.md", {"first_run": first, "reopened": again})
 
 
 def run_level(replay, port: int, chosen: list[dict], max_tokens: int, think: float = 0.0) -> dict:
@@ -1282,46 +1332,97 @@ SHAPES = {  # --shape: its sessions, and each server's replay
         agent_sessions,
         {"mlx_lm.server": partial(replay_claude, ClaudeTheirs), "dflash-mlx": partial(replay_claude, ClaudeOurs)},
     ),
+    "claude-code-recorded": (
+        recorded_sessions,
+        {"mlx_lm.server": partial(replay_claude, ClaudeTheirs), "dflash-mlx": partial(replay_claude, ClaudeOurs)},
+    ),
     "codex": (
         agent_sessions,
         {"mlx_lm.server": partial(replay_codex, CodexTheirs), "dflash-mlx": partial(replay_codex, CodexOurs)},
     ),
 }
+CLAUDE_API = {"dflash-mlx": "Anthropic Messages (streamed)", "mlx_lm.server": "OpenAI chat (streamed), same prompt"}
 API = {  # what each server is driven with, per shape
-    "claude-code": {
-        "dflash-mlx": "Anthropic Messages (streamed)",
-        "mlx_lm.server": "OpenAI chat (streamed), same prompt",
-    },
+    "claude-code": CLAUDE_API,
+    "claude-code-recorded": CLAUDE_API,
     "codex": {"dflash-mlx": "Responses (streamed)", "mlx_lm.server": "OpenAI chat (streamed), same prompt"},
 }
 
 
 def run_rep(
-    together: int, turns: int, max_tokens, ours_first: bool, think: float = 0.0, shape: str = "default"
+    together: int,
+    turns: int,
+    max_tokens,
+    ours_first: bool,
+    think: float = 0.0,
+    shape: str = "default",
+    reopen: bool = False,
 ) -> tuple[dict, dict]:
     """The sessions on fresh servers (no state carried over), one server after the other:
-    each server's run and peak RSS."""
-    from dflash_mlx.convert.smollm2 import smollm2_path
+    each server's run, and its resident memory once loaded and at its peak during its sessions.
+    `reopen`: ours keeps its prompt cache in a folder, and once both are stopped a new process of
+    ours on that folder answers the first session's first turn again (runs["reopened"])."""
+    import shutil
+    import tempfile
 
     make_sessions, servers = SHAPES[shape]
-    (ours, ours_port), (theirs, theirs_port) = start_servers(smollm2_path(None), max(together, 2))
+    folder = tempfile.mkdtemp(prefix="agent-session-cache-") if reopen else None
+    options = [*ours_options(), *(["--prompt-cache-dir", folder] if folder else [])]
+    (ours, ours_port), (theirs, theirs_port) = start_servers(model_dir(), max(together, 2), *options)
     ports = {"mlx_lm.server": theirs_port, "dflash-mlx": ours_port}
+    pids = {"mlx_lm.server": theirs.pid, "dflash-mlx": ours.pid}
     try:
         chosen = make_sessions(together, turns)
-        runs = {}
+        runs, rss = {}, {}
         for name in sorted(servers, reverse=not ours_first):  # "dflash-mlx" sorts first
+            loaded = current_rss_mb(pids[name])
+            reset_peak(pids[name])
             runs[name] = run_level(servers[name], ports[name], chosen, max_tokens, think)
+            rss[name] = dict(loaded=loaded, peak=rss_mb(pids[name]))
             cached = runs[name].get("cached")
             print(
                 f"{together} session(s), {name}: {runs[name]['session_seconds']:.1f} s, TTFT per turn "
                 f"{' '.join(f'{median(t):.2f}' for t in runs[name]['ttft'])} s, decode "
                 f"{runs[name]['decode_tok_s']:.1f} tok/s"
-                + (f", cache read {' '.join(f'{median(c):.0%}' for c in cached)}" if cached else ""),
+                + (f", cache read {' '.join(f'{median(c):.0%}' for c in cached)}" if cached else "")
+                + f", RSS {loaded:.0f} MB loaded, {rss[name]['peak']:.0f} MB at its peak",
                 flush=True,
             )
-        return runs, {"mlx_lm.server": rss_mb(theirs.pid), "dflash-mlx": rss_mb(ours.pid)}
+        if folder:
+            held = dict(
+                ram_mb=prompt_cache_mb(ours_port), ram_entries=int(metric(ours_port, "dflash_prefix_cache_entries"))
+            )
     finally:
-        stop(ours, theirs)
+        tic = time.perf_counter()
+        stop(ours, theirs, timeout=900)  # ours writes its prompt cache to the folder on the way out
+    if folder:
+        try:
+            runs["reopened"] = reopened(
+                folder, held, time.perf_counter() - tic, chosen[0], servers["dflash-mlx"], max_tokens
+            )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    return runs, rss
+
+
+def reset_peak(pid: int) -> None:
+    """The process's peak resident set (VmHWM) reset to its current one (Linux's clear_refs)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def reopened(folder: str, held: dict, stop_seconds: float, session: dict, replay, max_tokens) -> dict:
+    """What ours' prompt cache held (`held`: in memory before the stop) and its folder holds now;
+    a new process of ours on the folder answering the session's first turn again: its TTFT and
+    cache read."""
+    files = list(Path(folder).glob("*.safetensors"))
+    ours, port = start_ours(2, "--prompt-cache-dir", folder, *ours_options())
+    try:
+        again = replay(port, {**session, "turns": session["turns"][:1]}, max_tokens)[0]
+    finally:
+        stop(ours, timeout=900)
+    disk = dict(disk_entries=len(files), disk_mb=sum(f.stat().st_size for f in files) / 2**20)
+    print(f"reopened on the folder: TTFT {again['ttft']:.2f} s, cache read {again.get('cached', 0):.0%}", flush=True)
+    return {**held, **disk, "stop_seconds": stop_seconds, "ttft": again["ttft"], "cached": again.get("cached")}
 
 
 def summary(reps: list[dict]) -> dict:
@@ -1354,6 +1455,17 @@ def summary(reps: list[dict]) -> dict:
     if "prompt" in reps[0]["dflash-mlx"]:
         out["equal_prompts"] = all(r["dflash-mlx"]["prompt"] == r["mlx_lm.server"]["prompt"] for r in reps)
     return out
+
+
+def reopened_line(runs: dict) -> str:
+    r, cold = runs["reopened"], runs["dflash-mlx"]["ttft"][0][0]
+    return (
+        f"\nOurs' prompt cache after the session: {r['ram_entries']} entries, {r['ram_mb']:.0f} MB in memory; "
+        f"stopped (SIGTERM, both servers in {r['stop_seconds']:.1f} s), its folder held {r['disk_entries']} entries, "
+        f"{r['disk_mb']:.0f} MB. A new process of ours on the folder, the first turn again: time to first token "
+        f"{r['ttft']:.2f} s (cold {cold:.2f} s)"
+        + (f", cache read {r['cached']:.0%}." if r["cached"] is not None else ".")
+    )
 
 
 def plot_ttft(levels: dict, out: Path) -> None:
@@ -1394,6 +1506,16 @@ def default_table(levels: dict) -> list[str]:
 
 
 SHAPE_NOTES = {
+    "claude-code-recorded": (
+        'Claude Code\'s recorded first request (2.1.197, `claude -p "Say hi"` in a git repository, '
+        "tests/fixtures/claude-code-2.1.197-request.json): its system blocks, 25 tools, thinking adaptive, "
+        "context_management, output_config and metadata as recorded; its first messages (a reminder, the prompt, a "
+        "system-role message listing agents and skills) with the session's first ask as the prompt, then a scripted "
+        "Read of the file and its result; the whole history every turn, the last block marked for the cache. "
+        "count_tokens before each turn and a title request between turns as in the claude-code shape (Claude Code "
+        "sent neither in -p mode). mlx_lm.server gets the OpenAI chat messages our Anthropic endpoint renders, as in "
+        "the claude-code shape. Cache read as there."
+    ),
     "claude-code": (
         "Claude Code's shape: Anthropic Messages, streamed; system = billing-header block (a new cch each request), "
         "identity block, the system prompt (cache_control ephemeral); 22 tools with input_schema; thinking enabled "
@@ -1443,6 +1565,12 @@ def shape_table(shape: str, levels: dict) -> list[str]:
             )
     lines.append("")
     for together, level in levels.items():
+        theirs, ours = (level[name]["ttft"][0] for name in SERVERS)
+        lines.append(
+            f"{together} session(s) at once: the first turn (a cold prefill of "
+            f"{level['dflash-mlx']['prompt'][0]:.0f} prompt tokens) to its first token: mlx_lm.server {theirs:.1f} s, "
+            f"dflash-mlx {ours:.1f} s ({theirs / ours:.2f}x)."
+        )
         lines.append(
             f"{together} session(s) at once: answers equal between the servers: "
             f"{'yes' if level['equal_answers'] else 'no'}; prompts of equal length every turn: "
@@ -1459,13 +1587,19 @@ def main():
         "--max-tokens",
         type=int,
         default=None,
-        help="answer cap (default: 400; with --shape, what the agent sends: claude-code 32000, codex none)",
+        help="answer cap (default: 400; with --shape, what the agent sends: claude-code 32000, claude-code-recorded 8192, codex none)",
     )
     parser.add_argument(
         "--shape",
         choices=list(SHAPES),
         default="default",
         help="the sessions' request shape: the default one, or as Claude Code / Codex send them",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the served model: a short name (gemma-3-270m) or an mlx-lm folder; both servers load the same "
+        "weights (default: SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--reps", type=int, default=1, help="runs of each level on fresh servers, in turn first")
     parser.add_argument(
@@ -1475,6 +1609,12 @@ def main():
         help="seconds each session waits after an answer (an agent running its tools); not in the session time",
     )
     parser.add_argument("--out", default=None, help="folder for results.json, results.md and the TTFT plot")
+    parser.add_argument(
+        "--reopen",
+        action="store_true",
+        help="ours keeps its prompt cache in a folder; after each rep a new process of ours on that folder "
+        "answers the first turn again (a second launch in the same folder)",
+    )
     parser.add_argument("--soak", type=int, default=0, help="instead: this many sessions in a row against ours")
     parser.add_argument(
         "--restart",
@@ -1485,26 +1625,41 @@ def main():
 
     import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 
+    MODEL["name"] = args.model
+
     if args.max_tokens is None:
-        args.max_tokens = {"default": 400, "claude-code": 32000, "codex": None}[args.shape]
+        args.max_tokens = {"default": 400, "claude-code": 32000, "claude-code-recorded": 8192, "codex": None}[
+            args.shape
+        ]
     if args.soak:
         return soak(args.soak, args.turns, args.max_tokens, args.out)
     if args.restart:
-        return restart(args.turns, args.max_tokens, args.out)
+        return restart(args.turns, args.max_tokens, args.out, args.shape)
     from dflash_mlx.bench.harness import machine
 
     levels, peak, raw = {}, {}, {}
     for together in sorted({1, args.together}):
         reps = [
-            run_rep(together, args.turns, args.max_tokens, ours_first=rep % 2 == 1, think=args.think, shape=args.shape)
+            run_rep(
+                together,
+                args.turns,
+                args.max_tokens,
+                ours_first=rep % 2 == 1,
+                think=args.think,
+                shape=args.shape,
+                reopen=args.reopen,
+            )
             for rep in range(args.reps)
         ]
         raw[together] = [runs for runs, _ in reps]
         levels[together] = summary(raw[together])
-        peak[together] = {name: max(rss[name] for _, rss in reps) for name in SERVERS}
+        peak[together] = {
+            name: {k: max(rss[name][k] for _, rss in reps) for k in ("loaded", "peak")} for name in SERVERS
+        }
     lines = [
         f"Machine: {machine()}",
         f"Command: python {' '.join(sys.argv)}",
+        f"Model: {model_dir()} (both servers)",
         "",
         f"Medians over {args.reps} rep(s), each on fresh servers, the two servers in turn first"
         + (f"; {args.think:g} s of think time after each answer, not counted in session time." if args.think else "."),
@@ -1513,9 +1668,11 @@ def main():
     lines += (default_table if args.shape == "default" else partial(shape_table, args.shape))(levels)
     for together, rss in peak.items():
         lines.append(
-            f"\nPeak RSS at {together} session(s): mlx_lm.server {rss['mlx_lm.server']:.0f} MB, "
-            f"dflash-mlx {rss['dflash-mlx']:.0f} MB"
+            f"\nResident memory at {together} session(s) (the largest over reps), once loaded / at its peak during "
+            f"the sessions: mlx_lm.server {rss['mlx_lm.server']['loaded']:.0f} / {rss['mlx_lm.server']['peak']:.0f} MB, "
+            f"dflash-mlx {rss['dflash-mlx']['loaded']:.0f} / {rss['dflash-mlx']['peak']:.0f} MB"
         )
+    lines += [reopened_line(runs) for level in raw.values() for runs in level if "reopened" in runs]
     report(lines, args.out, "results.md", {"levels": levels, "reps": raw, "peak_rss_mb": peak})
     if args.out:
         plot_ttft(levels, Path(args.out))

@@ -130,6 +130,8 @@ def test_models_health_metrics(served):
     assert 'size="0"' not in text  # the prefill's steps decode nothing: not batch steps
     held = int(re.search(r"^dflash_prefix_cache_bytes (\d+)$", text, re.M).group(1))
     assert held == server.prompt_cache.nbytes > 0  # the answer's state is kept
+    entries = int(re.search(r"^dflash_prefix_cache_entries (\d+)$", text, re.M).group(1))
+    assert entries == len(server.prompt_cache.entries) > 0
 
 
 def test_metrics_count_batch_steps_by_mode():

@@ -170,6 +170,7 @@ class Server:
         if self.prompt_cache is not None:
             self.metrics.prefix_cache_hits = self.prompt_cache.hits
             self.metrics.prefix_cache_bytes = self.prompt_cache.nbytes
+            self.metrics.prefix_cache_entries = len(self.prompt_cache.entries)
         return PlainTextResponse(self.metrics.render(self.worker.depth), media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------ what every API shares

@@ -21,6 +21,7 @@ class Metrics:
         self.last_tps = 0.0
         self.prefix_cache_hits = 0
         self.prefix_cache_bytes = 0
+        self.prefix_cache_entries = 0
         self.batch_steps = Counter()  # (batch size, "plain" | "draft" | "apart") -> steps
         self.batch_size = 0  # rows in the last batch step
 
@@ -93,6 +94,9 @@ class Metrics:
                 "# HELP dflash_prefix_cache_bytes Bytes of states the prompt cache holds in memory.",
                 "# TYPE dflash_prefix_cache_bytes gauge",
                 f"dflash_prefix_cache_bytes {self.prefix_cache_bytes}",
+                "# HELP dflash_prefix_cache_entries Prompt states the prompt cache holds in memory.",
+                "# TYPE dflash_prefix_cache_entries gauge",
+                f"dflash_prefix_cache_entries {self.prefix_cache_entries}",
                 "# HELP dflash_batch_size Requests decoded together in the last batch step.",
                 "# TYPE dflash_batch_size gauge",
                 f"dflash_batch_size {self.batch_size}",
