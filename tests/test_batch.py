@@ -1,5 +1,6 @@
 """Batched DFlash decoding: every request's output equals what it gets alone, on every family."""
 
+import itertools
 import random
 from types import SimpleNamespace
 from collections import Counter
@@ -89,8 +90,8 @@ def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
         context.add(features)
         contexts.append(context)
         lasts.append(prompt[-1])
-    params = [SamplingParams(), SamplingParams(temp=0.8), SamplingParams(temp=1.3), SamplingParams()]
-    for width in (2, 6):
+    mixed = [SamplingParams(), SamplingParams(temp=0.8), SamplingParams(temp=1.3), SamplingParams()]
+    for params, width in itertools.product((mixed, [SamplingParams()] * 4), (2, 6)):  # all greedy: one walk
         noises = [
             None if p.greedy else mx.random.gumbel((width, target.vocab_size), key=mx.random.key(i))
             for i, p in enumerate(params)
@@ -100,7 +101,7 @@ def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
             verify.draft_rows(model, [last], [context], width, [p], [noise])[0]
             for last, context, p, noise in zip(lasts, contexts, params, noises)
         ]
-        assert [t.tolist() for t in together] == [a.tolist() for a in alone], (kind, width)
+        assert [t.tolist() for t in together] == [a.tolist() for a in alone], (kind, width, params)
         assert all(t.size == width - 1 for t in together)
     hidden_together = draft.run_layers(
         mx.array([[1, 5], [2, 5], [3, 5], [4, 5]]),

@@ -30,23 +30,22 @@ def grouped_causal_conv(
 
     x (B, L, H); dynamic (B, L, K, H / group_size); base (K, H).  `block_index` (B, L):
     each position's index inside its own block, when several blocks are packed along L
-    (training): x[t - k] then counts only if it lies in the same block."""
+    (training): x[t - k] then counts only if it lies in the same block.  The K shifted copies
+    are slices of one padded copy, weighted and summed together: a dozen ops whatever K (a
+    CPU pays for every op it schedules)."""
     B, L, H = x.shape
-    groups = H // group_size
-    blocks = x.reshape(B, L, groups, group_size)
-    out = mx.zeros_like(blocks)
-    for k in range(base.shape[0]):
-        shifted = blocks if k == 0 else mx.pad(blocks[:, : max(L - k, 0)], [(0, 0), (min(k, L), 0), (0, 0), (0, 0)])
-        if k and block_index is not None:
-            shifted = shifted * (block_index >= k)[:, :, None, None].astype(x.dtype)
-        out = out + base[k].reshape(groups, group_size).astype(x.dtype) * shifted
-        out = out + dynamic[:, :, k, :, None] * shifted
-    return out.reshape(B, L, H)
+    K, groups = base.shape[0], H // group_size
+    padded = mx.pad(x.reshape(B, L, groups, group_size), [(0, 0), (K - 1, 0), (0, 0), (0, 0)])
+    shifted = mx.stack([padded[:, K - 1 - k : K - 1 - k + L] for k in range(K)], axis=2)  # (B, L, K, groups, size)
+    if block_index is not None:
+        shifted = shifted * (block_index[:, :, None] >= mx.arange(K))[..., None, None].astype(x.dtype)
+    weights = base.reshape(K, groups, group_size).astype(x.dtype) + dynamic[..., None]
+    return (weights * shifted).sum(axis=2).reshape(B, L, H)
 
 
-# Decoding runs the same few block widths over and over: compiled, the convolution's ~25
-# elementwise ops per call are fused (one kernel instead of many small ones).  Packed
-# training batches (block_index) change shape every step and stay eager.
+# Decoding runs the same few block widths over and over: compiled, the convolution's elementwise
+# ops are fused (one kernel instead of several).  Packed training batches (block_index) change
+# shape every step and stay eager.
 _decode_conv = mx.compile(grouped_causal_conv)
 
 
@@ -106,9 +105,9 @@ class CandidateSelector(nn.Module):
         self.successor_codebook.weight = mx.zeros_like(self.successor_codebook.weight)
 
     def candidates(self, logits: mx.array, vocab_ids: Optional[mx.array]) -> tuple[mx.array, mx.array]:
-        """(token ids (P, k), their logits (P, k)): each position's top-k."""
+        """(token ids (..., P, k), their logits (..., P, k)): each position's top-k."""
         k = min(self.top_k, logits.shape[-1])
-        picks = mx.stop_gradient(mx.argpartition(logits, -k, axis=-1)[:, -k:])  # a choice, not a function
+        picks = mx.stop_gradient(mx.argpartition(logits, -k, axis=-1)[..., -k:])  # a choice, not a function
         unary = mx.take_along_axis(logits, picks, axis=-1)
         return (picks if vocab_ids is None else vocab_ids[picks]), unary
 
@@ -121,22 +120,48 @@ class CandidateSelector(nn.Module):
         temp: float,
         noise: Optional[mx.array],
     ) -> mx.array:
-        """The drafted tokens (P,) for P block positions, starting after `anchor`.
+        """The drafted tokens (..., P) for P block positions, starting after `anchor` (...,).
 
-        hidden (P, H) and logits (P, V') of those positions, V' over `vocab_ids` when the
-        drafter drafts from a subset.  Greedy (temp 0) takes each position's best score;
-        sampling takes the Gumbel-max sample of softmax(score / temp) over the k
-        candidates with the position's noise (P, full vocab), an exact sample of the
-        distribution the selector proposes from."""
-        candidates, unary = self.candidates(logits, vocab_ids)
-        token, path = anchor.reshape(1), []
-        for p in range(hidden.shape[0]):
-            scores = self.score(token, hidden[p : p + 1], unary[p : p + 1], candidates[p : p + 1])[0]
-            if temp > 0:
-                scores = scores.astype(mx.float32) / temp + noise[p][candidates[p]]
-            token = candidates[p][mx.argmax(scores)].reshape(1)
-            path.append(token)
-        return mx.concatenate(path)
+        hidden (..., P, H) and logits (..., P, V') of those positions, V' over `vocab_ids` when
+        the drafter drafts from a subset; leading axes are rows drafted alike.  Greedy (temp 0)
+        takes each position's best score; sampling (one row) takes the Gumbel-max sample of
+        softmax(score / temp) over the k candidates with the position's noise (P, full vocab),
+        an exact sample of the distribution the selector proposes from.
+
+        A position's scores depend on the token chosen before it, one of the k candidates there
+        (the anchor before the first): every position's k x k scores are computed at once, each
+        predecessor's best successor taken, and the path followed through those choices
+        (`follow`), in a few whole-block ops rather than a few per position."""
+        candidates, unary = self.candidates(logits, vocab_ids)  # (..., P, k)
+        k = candidates.shape[-1]
+        first = mx.broadcast_to(anchor[..., None, None], (*anchor.shape, 1, k)).astype(candidates.dtype)
+        before = mx.concatenate([first, candidates[..., :-1, :]], axis=-2)  # (..., P, k) each position's predecessors
+        queries = self.hidden_projection(hidden)[..., None, :]  # (..., P, 1, rank)
+        edge = (self.predecessor_codebook(before) * queries)[..., None, :] * self.successor_codebook(candidates)[
+            ..., None, :, :
+        ]
+        scores = unary[..., None, :] + edge.sum(-1)  # (..., P, predecessor, candidate)
+        if temp > 0:
+            scores = scores.astype(mx.float32) / temp + mx.take_along_axis(noise, candidates, axis=-1)[..., None, :]
+        best = mx.argmax(scores, axis=-1)  # (..., P, k): the candidate chosen after each predecessor
+        return mx.take_along_axis(candidates, follow(best)[..., None], axis=-1)[..., 0]
+
+
+def follow(best: mx.array) -> mx.array:
+    """(..., P) the path through `best` (..., P, k): position 0's choice is best[0][any] (every
+    predecessor there is the anchor), position p's best[p][its choice at p - 1].
+
+    Following choices is composing maps of k indices, which is associative: a prefix scan
+    composes them in log2(P) steps (after the step of shift s, row p composes the maps of
+    positions p - 2s + 1 .. p), each one gather for every position; at the end row p composes
+    those of 0 .. p, a constant map (position 0's is) whose value is the choice at p."""
+    maps, shift, positions = best, 1, best.shape[-2]
+    while shift < positions:
+        later = maps[..., shift:, :]
+        composed = mx.take_along_axis(later, maps[..., :-shift, :], axis=-1)  # later ∘ earlier
+        maps = mx.concatenate([maps[..., :shift, :], composed], axis=-2)
+        shift *= 2
+    return maps[..., 0]
 
 
 class DFlash2Layer(DraftLayer):

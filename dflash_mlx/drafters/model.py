@@ -129,6 +129,8 @@ class DFlashDraftModel(nn.Module):
         if self.args.dflash2:
             hidden = self.run_layers(blocks, contexts)[:, 1:]
             logits = self.logits(hidden)
+            if all(row_params.greedy for row_params in params):
+                return self.candidate_selector.walk(hidden, logits, blocks[:, 0], ids, 0.0, None)  # every row in one
             return mx.stack(
                 [
                     self.candidate_selector.walk(hidden[i], logits[i], blocks[i, 0], ids, row_params.temp, noise)

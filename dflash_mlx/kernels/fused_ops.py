@@ -41,6 +41,8 @@ each call, so the live weights are used.
 import functools
 import types
 from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -144,8 +146,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
         return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     queries = (queries * scale).reshape(B, kv_heads, group, L, -1)
     if isinstance(mask, str):  # "causal": the queries are the last L positions
-        mask = base.create_causal_mask(L, T - L)
-    if mask is not None:
+        mask = _causal_mask(L, T - L, kv_heads)
+    elif mask is not None:
         mask = _by_kv_head(mask, kv_heads)
     last, by_rows = None, []
     for b, stop, first, end in _row_groups(cache, B, kv_heads, group, L, T):
@@ -154,12 +156,14 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
         for h in range(0, kv_heads, heads):
             by_span = []
             for q in range(0, L, spans):
-                part = queries[b:stop, h : h + heads, :, q : q + spans]
+                part = _within(queries, (b, stop), (h, h + heads), None, (q, q + spans))
                 if last is not None:  # MLX would otherwise compute the parts side by side, all their scores at once
                     part = mx.depends(part, last)
-                part_keys, part_values = (x[b:stop, h : h + heads, first:end] for x in (keys, values))
+                part_keys, part_values = (_within(x, (b, stop), (h, h + heads), (first, end)) for x in (keys, values))
                 part_mask = (
-                    None if mask is None else _mask_part(mask, (b, stop), (h, h + heads), (q, q + spans), (first, end))
+                    None
+                    if mask is None
+                    else _within(mask, (b, stop), (h, h + heads), None, (q, q + spans), (first, end))
                 )
                 last = _attend(part, part_keys, part_values, part_mask)
                 by_span.append(last)
@@ -211,6 +215,33 @@ def _part_sizes(rows: int, kv_heads: int, group: int, queries: int, keys: int) -
     return 1, 1, -(-queries // spans)
 
 
+# the causal masks of the current pass, by (queries, offset, kv heads): every layer asks for the
+# same one, and building it is ~10 small ops, each costing its scheduling on a CPU
+_pass_masks: ContextVar[Optional[dict]] = ContextVar("pass_masks", default=None)
+
+
+@contextmanager
+def one_mask_a_pass():
+    """Inside, a causal mask the attention builds is built once per shape and shared by the
+    layers that ask for it again (the layers of one model pass)."""
+    token = _pass_masks.set({})
+    try:
+        yield
+    finally:
+        _pass_masks.reset(token)
+
+
+def _causal_mask(queries: int, offset: int, kv_heads: int) -> mx.array:
+    masks = _pass_masks.get()
+    key = (queries, offset, kv_heads)
+    if masks is None or key not in masks:
+        mask = _by_kv_head(base.create_causal_mask(queries, offset), kv_heads)
+        if masks is None:
+            return mask
+        masks[key] = mask
+    return masks[key]
+
+
 def _by_kv_head(mask: mx.array, kv_heads: int) -> mx.array:
     """A mask broadcastable to (B, H, L, T) as one broadcastable to (B, kv heads, group, L, T)."""
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -220,15 +251,14 @@ def _by_kv_head(mask: mx.array, kv_heads: int) -> mx.array:
     )
 
 
-def _mask_part(mask: mx.array, rows: tuple, heads: tuple, queries: tuple, keys: tuple) -> mx.array:
-    """The part of a (B|1, kv heads|1, group|1, L|1, T|1) mask for these rows, kv heads, queries and keys."""
-    return mask[
-        slice(None) if mask.shape[0] == 1 else slice(*rows),
-        slice(None) if mask.shape[1] == 1 else slice(*heads),
-        :,
-        slice(None) if mask.shape[3] == 1 else slice(*queries),
-        slice(None) if mask.shape[4] == 1 else slice(*keys),
-    ]
+def _within(x: mx.array, *ranges) -> mx.array:
+    """`x` over [start, stop) of each of its leading axes (None, or an axis of 1, which
+    broadcasts: all of it); `x` itself where that is all of it (a slice is one more op to
+    schedule, which on a CPU costs as much as a small op's work)."""
+    index = tuple(slice(None) if r is None or n == 1 else slice(*r) for n, r in zip(x.shape, ranges))
+    if all(i == slice(None) or (i.start, i.stop) == (0, n) for i, n in zip(index, x.shape)):
+        return x
+    return x[index]
 
 
 def _concatenate(parts: list, axis: int) -> mx.array:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from ..kernels.fused_ops import Wrapper, column_major, fuse, fusing
+from ..kernels.fused_ops import Wrapper, column_major, fuse, fusing, one_mask_a_pass
 from .gated_delta import MIXER_PROJECTIONS, gated_delta_forward
 from .mlx_lm_compat import write_index
 from .rollback import (
@@ -341,7 +341,8 @@ class Target:
         """
         self._pass.reset(feature_layers, logits_at, cache.handlers)
         try:
-            logits = self.model(tokens, cache=cache.layers)
+            with one_mask_a_pass():  # every layer's causal mask is the same (fused_ops.py)
+                logits = self.model(tokens, cache=cache.layers)
             captured = self._pass.outputs
             if logits_at is not None and self.norm is None:
                 logits = at_positions(logits, logits_at)
