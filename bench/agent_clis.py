@@ -336,7 +336,7 @@ def main():
         os.execve(isolated[0], isolated, {**os.environ, ISOLATED_ENV: "1"})
     from dflash_mlx import load
 
-    model, tokenizer = load(args.model, use_draft=False)
+    model, tokenizer = load(args.model, use_draft=False, adaptive=False)
     results, recorded = [], []
     for agent in args.agents.split(","):  # one at a time: the machine is shared
         arguments = shlex.split(args.args) if args.args else None

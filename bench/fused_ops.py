@@ -69,7 +69,7 @@ def main(
     if attention_only:
         return attention(shapes or "1x16x2500,4x16x2100,1x128x2048,1x16x8000", repeats)
     shapes = shapes or "1x1,1x2,1x4,1x8,4x1,8x1"
-    model, _ = load(use_draft=False)
+    model, _ = load(use_draft=False, adaptive=False)
     net = model.target.model
     print(f"Machine: {machine()}; context {context} tokens; medians of {repeats} interleaved passes\n")
     print("| rows x tokens | mlx-lm ops ms | compiled ms | speedup | primitives (mlx-lm / compiled) | bitwise equal |")

@@ -89,8 +89,12 @@ QUANT_HELP = (
     "Default: 8-bit where it fits this machine, else 4-bit (dflash-mlx doctor -m NAME says which and why)."
 )
 SERVED_QUANT = typer.Option(None, "--quant", help=QUANT_HELP)
-SERVED_PLAIN = typer.Option(False, "--no-draft", help="Serve plain target decoding.")
-SERVED_FULL_BLOCKS = typer.Option(False, "--no-adaptive", help="Always verify full blocks.")
+SERVED_PLAIN = typer.Option(
+    False, "--no-draft", help="Serve without the drafter (copies still propose; with --no-adaptive: plain decoding)."
+)
+SERVED_FULL_BLOCKS = typer.Option(
+    False, "--no-adaptive", help="Always verify full drafter blocks, no copies (without a drafter: plain decoding)."
+)
 
 
 def check_draft_quant(draft_quant: Optional[int]) -> None:
@@ -148,9 +152,17 @@ def generate(
     ),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed the prompt raw."),
-    no_draft: bool = typer.Option(False, "--no-draft", help="Plain target decoding through the same loop."),
+    no_draft: bool = typer.Option(
+        False,
+        "--no-draft",
+        help="Decode without the drafter: copies from the prompt and earlier answers still propose "
+        "(with --no-adaptive: plain target decoding, the same loop).",
+    ),
     no_adaptive: bool = typer.Option(
-        False, "--no-adaptive", help="Always verify full blocks (default: pick the width per cycle)."
+        False,
+        "--no-adaptive",
+        help="Always verify full drafter blocks, no copies (default: pick the width and source per cycle; "
+        "without a drafter: plain decoding).",
     ),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print what was loaded and the formatted prompt."),
@@ -184,7 +196,8 @@ def generate(
         pair.target.follow()  # rank 0 prints
         return
     if pair.draft is None and not no_draft:
-        typer.secho(f"note: {pair.draft_note}; running plain target decoding", err=True, fg=typer.colors.YELLOW)
+        serving = "copies from the prompt and earlier answers" if kept(pair).planner else "plain target decoding"
+        typer.secho(f"note: {pair.draft_note}; decoding with {serving}", err=True, fg=typer.colors.YELLOW)
     if verbose:
         typer.echo(f"BLAS: {blas.status()}", err=True)
         typer.echo(f"target: {pair.target.model_type}, {pair.target.num_layers} layers", err=True)
@@ -435,10 +448,13 @@ def _say_how_it_serves(server, name: str, host: str, port: int, api_key: Optiona
     reuse = (
         f"prompt cache {server.prompt_cache.max_bytes / 2**30:.1f} GiB" if server.prompt_cache else "no prompt cache"
     )
+    from .decode.learning import kept
+
+    drafter = "on" if server.model.draft is not None else "off"
+    copies = "on" if kept(server.model).planner is not None else "off"
     typer.secho(
-        f"serving {name} on http://{host}:{port}/v1 (drafter: "
-        f"{'on' if server.model.draft is not None else 'off'}; batches of up to {server.max_batch}; {reuse}); "
-        "Ctrl-C drains and stops",
+        f"serving {name} on http://{host}:{port}/v1 (drafter: {drafter}; copies: {copies}; "
+        f"batches of up to {server.max_batch}; {reuse}); Ctrl-C drains and stops",
         err=True,
     )
 
@@ -514,7 +530,7 @@ def make_data(
         fail(f"--temp must be >= 0, got {temp}")
     texts = read_prompts(prompts)
     writable(Path(out), "data")
-    pair, tokenizer = load(model, use_draft=False)
+    pair, tokenizer = load(model, use_draft=False, adaptive=False)
     path = run(pair.target, tokenizer, texts, out, max_tokens, budget, batch_size, temp=temp, seed=seed)
     typer.echo(f"data in {path}")
 
@@ -544,7 +560,7 @@ def make_prompts(
     if not out.endswith(".jsonl"):
         fail(f"--out must be a .jsonl file (what make-data --prompts reads), got {out}")
     writable(Path(out).parent, "output")
-    pair, tokenizer = load(model, use_draft=False)
+    pair, tokenizer = load(model, use_draft=False, adaptive=False)
     console.print("Reading the benchmark prompt sets (no prompt may share an 8-word span with them)", style="dim")
     path = run(pair.target.model, tokenizer, out, count, benchmark_shingles(), temp, top_p, seed, batch_size)
     typer.echo(f"prompts in {path}")
@@ -659,7 +675,7 @@ def fit(
         seed=seed,
     )
     writable(Path(out))  # before the long work, not at its first checkpoint
-    pair, tokenizer = load(model, use_draft=False)
+    pair, tokenizer = load(model, use_draft=False, adaptive=False)
     examples = read_datasets(data, target_fingerprint(pair.target, tokenizer))
     text = []
     resumed = None if fresh else checkpoint_config(out)  # a resumed run keeps its own recipe

@@ -64,7 +64,7 @@ def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     write_gguf(root / "m.gguf", "llama", "F32")
     model_dir = convert_target(str(root / "m.gguf"), root / "model", show_progress=False)
-    model, _ = load(str(model_dir), use_draft=False)
+    model, _ = load(str(model_dir), use_draft=False, adaptive=False)
     save_draft(random_draft(model.target, layer_ids=(0, 1), block_size=4), root / "draft")
     return model_dir, root / "draft"
 

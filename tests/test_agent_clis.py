@@ -52,7 +52,7 @@ def sessions(clis, wide_dirs, tmp_path_factory):
         return {r["agent"]: r for r in json.loads((out / "results.json").read_text())}
     from dflash_mlx import load
 
-    model, tokenizer = load(str(wide_dirs[0]), use_draft=False)
+    model, tokenizer = load(str(wide_dirs[0]), use_draft=False, adaptive=False)
     return {agent: {**run_session(agent, model, tokenizer, clis), "network": "host"} for agent in AGENTS}
 
 

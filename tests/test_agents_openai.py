@@ -480,7 +480,7 @@ def test_codex_with_only_a_base_url_is_answered(wide_dirs, monkeypatch, caplog):
         prompts.append(tokenizer.decode(prompt))
         return ["<tool_call>", call, "</tool_call>"]
 
-    model, tokenizer = load(str(wide_dirs[0]), use_draft=False)
+    model, tokenizer = load(str(wide_dirs[0]), use_draft=False, adaptive=False)
     monkeypatch.setattr(worker, "BatchGenerator", scripted_batch(reply))
     with (
         caplog.at_level("INFO", logger="dflash_mlx.serve"),

@@ -19,7 +19,7 @@ from tiny_models import draft_args
 def tiny_pair(tmp_path):
     write_gguf(tmp_path / "m.gguf", "llama")
     target_dir = convert_gguf(tmp_path / "m.gguf", tmp_path / "target", show_progress=False)
-    model, _ = load(str(target_dir), use_draft=False)
+    model, _ = load(str(target_dir), use_draft=False, adaptive=False)
     mx.random.seed(0)
     drafter = DFlashDraftModel(draft_args(model.target, layer_ids=(0, 1), block_size=4))
     return target_dir, save_draft(drafter, tmp_path / "drafter")

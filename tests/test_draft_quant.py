@@ -30,7 +30,7 @@ def target_dir(tiny_dirs):
 @pytest.fixture(scope="module")
 def float_draft(tiny_dirs, tmp_path_factory):
     """A float drafter all of whose linear layers take a multiple of 64 inputs (all quantizable)."""
-    plain, _ = load(str(tiny_dirs[0]), use_draft=False)
+    plain, _ = load(str(tiny_dirs[0]), use_draft=False, adaptive=False)
     folder = tmp_path_factory.mktemp("drafters") / "float"
     save_draft(random_draft(plain.target, layer_ids=(0, 1), block_size=4, head_dim=16, intermediate_size=128), folder)
     return folder
@@ -138,7 +138,7 @@ def test_each_precision_has_its_own_prompt_cache_and_cost_curve_keys(target_dir,
 @pytest.mark.parametrize("bits", [8, 4])
 def test_greedy_output_is_the_targets_at_any_drafter_precision(target_dir, float_draft, monkeypatch, packed, bits):
     monkeypatch.setattr(loading, "runs_packed", lambda: packed)
-    plain, tokenizer = load(target_dir, use_draft=False)
+    plain, tokenizer = load(target_dir, use_draft=False, adaptive=False)
     model, _ = load(target_dir, str(float_draft), draft_quant=bits, adaptive=False)
     assert linear_bits(model.draft)[0] == (bits if packed else None)
     last = None
@@ -214,7 +214,7 @@ def test_doctor_counts_the_drafter_at_its_precision(monkeypatch):
 
 @pytest.mark.slow  # the real default pair
 def test_the_shipped_pair_at_4_bits_packed_is_lossless_and_still_accepts(on_a_gpu):
-    plain, tokenizer = load(use_draft=False)
+    plain, tokenizer = load(use_draft=False, adaptive=False)
     model, _ = load(draft_quant=4, adaptive=False)
     assert set(linear_bits(model.draft)) == {4}
     prompt = format_prompt(tokenizer, "Write a Python function that reverses a string.")

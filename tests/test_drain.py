@@ -67,7 +67,7 @@ def test_a_draining_server_answers_503(tiny_dirs, monkeypatch):
     from dflash_mlx.serve import make_app
 
     monkeypatch.setattr(worker, "BatchGenerator", slow_batch(pieces=3, seconds_per_step=0.0))
-    model, tokenizer = load(str(tiny_dirs[0]), use_draft=False)
+    model, tokenizer = load(str(tiny_dirs[0]), use_draft=False, adaptive=False)
     server = make_app(model, tokenizer, "tiny", prompt_cache_bytes=0)
     with TestClient(server.app, base_url=LOCAL) as http:
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
@@ -116,7 +116,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_dirs, tmp_path, drain):
     assert re.search(r"serving .*; prompt cache \d+\.\d GiB\)", err), err[-800:]  # the bound, said at start
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    model, tokenizer = load(str(model_dir), use_draft=False)
+    model, tokenizer = load(str(model_dir), use_draft=False, adaptive=False)
     whole = generate(model, tokenizer, "the cat", max_tokens=200)
     if drain == "30":  # the whole answer, as a server that was not stopped gives it
         assert text == whole and reasons[-1:] in (["length"], ["stop"])

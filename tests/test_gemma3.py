@@ -1,6 +1,7 @@
 """The real Gemma 3 270M (base model, sliding-window attention on five layers of six): its
-tokenizer against the GGUF's vocabulary, its 8-bit variant against float32, and greedy DFlash
-equal to plain mlx-lm greedy decoding with prompts shorter and far longer than the window."""
+tokenizer against the GGUF's vocabulary, its 8-bit variant against float32, greedy DFlash equal
+to plain mlx-lm greedy decoding with prompts shorter and far longer than the window, and the
+prompt lookup serving it alone (it ships no drafter)."""
 
 import sysconfig
 from pathlib import Path
@@ -11,12 +12,16 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx.convert.gemma3 import GEMMA3
+from dflash_mlx.decode.costs import CostModel
 from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.learning import Learning, keep
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.plan import Planner
 from dflash_mlx.decode.request import Request
+from dflash_mlx.decode.suffix import SuffixStore
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
-from tiny_models import oracle_draft, random_draft
+from tiny_models import Clock, Timed, oracle_draft, random_draft
 
 pytestmark = pytest.mark.slow  # a 270M model, prompts up to 24k tokens
 
@@ -108,3 +113,21 @@ def test_dflash_equals_plain_greedy_at_long_context(gemma3, target, length):
     assert stats.tau > 2
     if length == 1024:
         assert dflash(target, random_draft(target, layer_ids=LAYERS, block_size=4), prompt)[0] == reference[:MAX_TOKENS]
+
+
+def test_the_prompt_lookup_serves_it_without_a_drafter(gemma3, target):
+    """It ships no drafter: copies from the prompt (and earlier answers) propose alone, planned
+    over a cost curve on which they pay (an injected clock, so the plan does not depend on this
+    machine's load).  A code file whose opening is written again past the 512-token window: the
+    base model copies the file on, the copies are accepted, and the output is plain greedy's."""
+    cost = CostModel([1, 2, 4, 8, 16], [0.05, 0.055, 0.06, 0.07, 0.09], 0.0)
+    text = stdlib_text(gemma3[1], 700)
+    prompt = text + text[1:48]  # the file's opening again (no second BOS)
+    reference = plain(target, prompt, 64)
+    model = DFlashModel(Timed(target, Clock(cost)))
+    keep(model, Learning(Planner(cost, 16), SuffixStore()))
+    stats = DecodeStats()
+    out = [t for s in decode(model, Request(prompt, 64), clock=model.target.clock, stats=stats) for t in s.tokens]
+    assert out == reference
+    lookups = [n for n, source in zip(stats.accepted_lengths, stats.sources) if source == "lookup"]
+    assert "dflash" not in stats.sources and sum(n - 1 for n in lookups) >= 16  # copied tokens accepted

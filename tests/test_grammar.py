@@ -26,7 +26,7 @@ def tokens_of(model, tokenizer, prompt, **options) -> list[int]:
 @pytest.fixture(scope="module")
 def plain(tiny_dirs):
     model_dir, _ = tiny_dirs
-    return load(str(model_dir), use_draft=False)
+    return load(str(model_dir), use_draft=False, adaptive=False)
 
 
 def test_dflash_under_a_grammar_equals_constrained_plain_decoding(plain):

@@ -286,7 +286,7 @@ def test_seeded_sampling_ignores_timing_in_the_adaptive_mode(tiny_dirs, monkeypa
         widths.append(tuple(last.widths))
     assert len(set(texts)) == 1
     assert len(set(widths)) > 1  # the perturbation did change the widths
-    plain, _ = load(str(model_dir), use_draft=False)
+    plain, _ = load(str(model_dir), use_draft=False, adaptive=False)
     assert generate(plain, tokenizer, "tell me a story", max_tokens=40, temp=0.8, top_p=0.95, seed=3) == texts[0]
 
 
@@ -410,7 +410,7 @@ def test_two_first_uses_of_the_default_model_at_once(tmp_path, smollm2_dir):
     model_dir = Path(outs[0][0].strip().splitlines()[-1])
     assert (model_dir / "config.json").is_file()
     assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(f".{model_dir.name}.") and p.is_dir()]
-    model, _ = load(str(model_dir), use_draft=False)
+    model, _ = load(str(model_dir), use_draft=False, adaptive=False)
     assert model.target.num_layers == 30
 
 
@@ -436,13 +436,13 @@ def test_missing_openblas_is_said_once_in_one_line(tiny_dirs, monkeypatch, capsy
     model_dir, _ = tiny_dirs
     monkeypatch.setattr(blas, "_status", "not found (apt install libopenblas0-pthread for ~10x faster fp32)")
     monkeypatch.setattr(api, "_said", set())
-    load(str(model_dir), use_draft=False)
-    load(str(model_dir), use_draft=False)
+    load(str(model_dir), use_draft=False, adaptive=False)
+    load(str(model_dir), use_draft=False, adaptive=False)
     lines = [line for line in capsys.readouterr().err.splitlines() if "reference BLAS" in line]
     assert len(lines) == 1 and "apt install libopenblas0-pthread" in lines[0]
     monkeypatch.setattr(blas, "_status", "OpenBLAS (/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3)")
     monkeypatch.setattr(api, "_said", set())
-    load(str(model_dir), use_draft=False)
+    load(str(model_dir), use_draft=False, adaptive=False)
     assert "reference BLAS" not in capsys.readouterr().err
 
 
@@ -454,7 +454,7 @@ def test_the_acceptance_histogram_counts_only_the_answers_tokens(tiny_dirs):
     from dflash_mlx.decode.model import DecodeStats, Step
     from dflash_mlx.decode.request import Request
 
-    _, tokenizer = load(str(tiny_dirs[0]), use_draft=False)
+    _, tokenizer = load(str(tiny_dirs[0]), use_draft=False, adaptive=False)
     eos = next(iter(tokenizer.eos_token_ids))
     word = next(t for t in range(100, 1000) if t not in tokenizer.eos_token_ids)
     for block, eos_at, histogram in (([word] * 16, 11, [0] * 10 + [1] + [0] * 5), ([word] * 4, 0, [0] * 16)):

@@ -1,17 +1,20 @@
-"""Prompt-lookup proposals: what they propose, and that decoding with them stays lossless."""
+"""Prompt-lookup proposals: what they propose, and that decoding with them stays lossless, with a
+drafter beside them or without one (the copies then propose alone)."""
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx.decode.costs import CostModel
 from dflash_mlx.decode.learning import Learning, keep
 from dflash_mlx.decode.plan import Planner
-from dflash_mlx.decode.decoder import decode
+from dflash_mlx.decode.decoder import Decoder, decode
 from dflash_mlx.decode.request import Request
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
 from dflash_mlx.decode.lookup import NO_MATCH, Match, PromptLookup
+from dflash_mlx.decode.suffix import SuffixStore
 from dflash_mlx.sampling import SamplingParams
-from tiny_models import Clock, Timed, random_draft, tiny_target
+from tiny_models import Clock, Timed, by_family, random_draft, tiny_target
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -77,9 +80,10 @@ def test_a_single_token_match_says_so():
 COST = CostModel([1, 2, 4, 8], [0.010, 0.011, 0.013, 0.017], 0.004, 0.0005)
 
 
-def decoded(model, params=SamplingParams(), seed=None, max_tokens=48):
+def decoded(model, params=SamplingParams(), seed=None, max_tokens=48, block_size=None):
     stats, clock = DecodeStats(), getattr(model.target, "clock", None)
-    steps = decode(model, Request(list(PROMPT), max_tokens, params, seed=seed), clock=clock, stats=stats)
+    request = Request(list(PROMPT), max_tokens, params, seed=seed, block_size=block_size)
+    steps = decode(model, request, clock=clock, stats=stats)
     return [t for s in steps for t in s.tokens], stats
 
 
@@ -107,3 +111,84 @@ def test_seeded_sampling_with_lookup_equals_plain_sampling():
     tokens, stats = decoded(lookup_model(target), params, seed=7)
     assert tokens == plain
     assert "lookup" in stats.sources
+
+
+# ------------------------------------------------------------ a target without a drafter
+
+
+def copying(target, widest: int = 8):
+    """`target` alone (no drafter), served by copies from the prompt and earlier answers, chosen
+    by a planner over COST; its passes take what COST says, on an injected clock."""
+    model = DFlashModel(Timed(target, Clock(COST)))
+    keep(model, Learning(Planner(COST, widest), SuffixStore()))
+    return model
+
+
+def copied(stats: DecodeStats) -> list[int]:
+    """The tokens each copying cycle committed."""
+    return [n for n, source in zip(stats.accepted_lengths, stats.sources) if source in ("lookup", "suffix")]
+
+
+def test_a_target_without_a_drafter_is_served_by_the_prompt_lookup():
+    target = tiny_target("qwen3", seed=1)  # its greedy text settles into repeating itself
+    reference = [int(t) for t, _ in generate_step(mx.array(PROMPT), target.model, max_tokens=48)]
+    tokens, stats = decoded(copying(target))
+    assert tokens == reference
+    assert "dflash" not in stats.sources and max(copied(stats)) >= 4  # long runs accepted in one pass
+    assert stats.adaptive and stats.block_size == 8
+
+
+def test_without_a_planner_a_target_alone_decodes_plainly():
+    """Nothing judges when a copy's wider verify pays: one token a pass, as asked."""
+    target = tiny_target("qwen3", seed=1)
+    model = DFlashModel(target)
+    keep(model, Learning())
+    _, stats = decoded(model)
+    assert set(stats.sources) == {"plain"} and not stats.adaptive
+    _, fixed = decoded(copying(target), max_tokens=16, block_size=1)  # a fixed width of 1: plain too
+    assert set(fixed.sources) == {"plain"}
+
+
+@pytest.mark.parametrize("model_type", by_family(["llama", "qwen3_5", "gpt_oss", "gemma3_text"]))
+def test_a_target_without_a_drafter_copies_its_earlier_answer(model_type):
+    """The same prompt again (an agent's retried turn): the store of earlier answers proposes the
+    first answer, accepted whole, on every kind of cache state rolled back (sliding windows,
+    recurrent layers), and the output is still plain greedy's."""
+    target = tiny_target(model_type, seed=1)
+    prompt = [5, 17, 33, 2, 41, 8, 60, 12]
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=32)]
+    model = copying(target)
+    answers = []
+    for _ in range(2):
+        stats = DecodeStats()
+        steps = decode(model, Request(list(prompt), 32), clock=model.target.clock, stats=stats)
+        answers.append(([t for s in steps for t in s.tokens], stats))
+    assert [tokens for tokens, _ in answers] == [reference, reference]
+    second = answers[1][1]
+    assert "suffix" in second.sources and max(copied(second)) >= 4
+
+
+def test_batched_beside_other_requests_each_row_is_plain_greedy():
+    target = tiny_target("qwen3", seed=1)
+    model = copying(target)
+    prompts = [PROMPT, [1, 5, 9, 13, 2, 7, 40, 3], [60, 61, 62]]
+    decoder = Decoder(model, max_batch=3, clock=model.target.clock)
+    stats = [DecodeStats() for _ in prompts]
+    uids = [decoder.add(Request(list(p), 40), s).uid for p, s in zip(prompts, stats)]
+    out = {}
+    while decoder.busy:
+        for uid, step in decoder.step().steps.items():
+            out.setdefault(uid, []).extend(step.tokens)
+    decoder.close()
+    for uid, prompt in zip(uids, prompts):
+        assert out[uid] == [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=40)]
+    assert max(copied(stats[0])) >= 4
+
+
+def test_seeded_sampling_without_a_drafter_equals_plain_sampling():
+    target = tiny_target("qwen3", seed=1)
+    params = SamplingParams(temp=0.3)
+    plain, _ = decoded(DFlashModel(target), params, seed=7)
+    tokens, stats = decoded(copying(target), params, seed=7)
+    assert tokens == plain
+    assert max(copied(stats)) >= 2

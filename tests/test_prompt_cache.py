@@ -444,13 +444,13 @@ def test_weights_changed_in_place_never_meet_the_old_weights_saved_states(tiny_d
     the old fingerprint (names and sizes: unchanged), they would change it."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     model_dir = shutil.copytree(tiny_dirs[0], tmp_path / "model")
-    old, _ = load(str(model_dir), use_draft=False)
+    old, _ = load(str(model_dir), use_draft=False, adaptive=False)
     folder = tmp_path / "prompt-cache"
     cache = PromptCache(folder=folder, fingerprint=old.fingerprint)
     answer, _ = run(old, SYSTEM, cache)
     cache.flush()
     rewrite_in_place(model_dir / "model.safetensors", seed=5)
-    changed, _ = load(str(model_dir), use_draft=False)
+    changed, _ = load(str(model_dir), use_draft=False, adaptive=False)
     assert changed.fingerprint != old.fingerprint
     follow_up = SYSTEM + answer + [3, 4]
     cold = run(changed, follow_up)[0]

@@ -2,17 +2,22 @@
 
 import itertools
 import math
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from dflash_mlx import sampling
+from dflash_mlx.decode.costs import CostModel
 from dflash_mlx.decode.decoder import Decoder, decode
+from dflash_mlx.decode.learning import Learning, keep
 from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.plan import Planner
 from dflash_mlx.decode.request import Request, check_values
+from dflash_mlx.decode.suffix import SuffixStore
 from dflash_mlx.sampling import SamplingParams, probabilities
-from tiny_models import random_dflash2, random_draft, tiny_target
+from tiny_models import Clock, Timed, random_dflash2, random_draft, tiny_target
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 4]
@@ -41,23 +46,24 @@ def exact_joint(target, params):
     return joint
 
 
-def sample_joint(model, params, n, seed, stats=None, rows=1):
+def sample_joint(model, params, n, seed, stats=None, rows=1, block_size=3):
     """Counts of n samples of t0..t3, each decoded alone (rows 1) or in batches of `rows`
-    (each row draws its own noise: its distribution is what it has alone)."""
+    (each row draws its own noise: its distribution is what it has alone), at `block_size`
+    (None: the planner's widths)."""
     mx.random.seed(seed)
     counts = np.zeros((VOCAB,) * LENGTH)
     if rows == 1:
         for _ in range(n):
             tokens = [
                 t
-                for step in decode(model, Request(list(PROMPT), LENGTH, params, block_size=3), stats=stats)
+                for step in decode(model, Request(list(PROMPT), LENGTH, params, block_size=block_size), stats=stats)
                 for t in step.tokens
             ]
             counts[tuple(tokens)] += 1
         return counts
     for start in range(0, n, rows):
-        decoder = Decoder(model, max_batch=rows)
-        request = Request(list(PROMPT), LENGTH, params, block_size=3)
+        decoder = Decoder(model, max_batch=rows, clock=getattr(model.target, "clock", None))
+        request = Request(list(PROMPT), LENGTH, params, block_size=block_size)
         added = [decoder.add(request, stats) for _ in range(min(rows, n - start))]
         while decoder.busy:
             decoder.step()
@@ -111,6 +117,24 @@ def test_dflash2_samples_follow_the_target_distribution(pair):
     counts = sample_joint(model, params, n=2500, seed=2, stats=stats, rows=50)
     assert chi_square_p_value(counts, exact_joint(target, params)) > 1e-3
     assert stats.histogram[1] > 0  # some selector proposals were accepted
+
+
+@pytest.mark.slow  # 2500 samples; test_lookup's seeded check of the same path stays in the fast subset
+def test_copies_without_a_drafter_keep_the_target_distribution(pair):
+    """A target alone, served by copies (the prompt lookup, and the answers sampled before:
+    suffix.py) where a planner over a flat cost curve takes them, in batches."""
+    target, _ = pair
+    params = SamplingParams(temp=1.0)
+    flat = CostModel([1, 2, 3], [1.0, 1.0, 1.0], 0.0)
+    model = DFlashModel(Timed(target, Clock(flat)))
+    keep(model, Learning(Planner(flat, 3), SuffixStore()))
+    stats = DecodeStats()
+    counts = sample_joint(model, params, n=2500, seed=3, stats=stats, rows=50, block_size=None)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > 1e-3
+    copied = Counter(
+        (source, n > 1) for n, source in zip(stats.accepted_lengths, stats.sources) if source in ("lookup", "suffix")
+    )
+    assert copied["lookup", True] > 0 and copied["suffix", True] > 0  # both sources' tokens were accepted
 
 
 @pytest.mark.slow  # 2500 samples; the batched DFlash check above stays in the fast subset

@@ -438,17 +438,19 @@ def format_stats(r: GenerationResponse, model: DFlashModel) -> str:
         f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
         f"Peak memory: {r.peak_memory:.3f} GB",
     ]
+    hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(r.acceptance_histogram) if n)
+    verified = f"tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}"
     if model.draft is not None:
-        hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(r.acceptance_histogram) if n)
-        lines.append(f"DFlash: block {r.block_size}, tau {r.tau:.2f} tokens/cycle, accepted lengths {hist}")
-        if r.adaptive and r.widths:
-            kinds = {s: r.sources.count(s) for s in ("dflash", "lookup", "suffix", "grammar", "plain")}
-            forced = f"{kinds['grammar']} forced by the grammar, " if kinds["grammar"] else ""
-            lines.append(
-                f"Adaptive: mean width {sum(r.widths) / len(r.widths):.1f}; cycles: {kinds['dflash']} drafted, "
-                f"{kinds['lookup']} prompt lookup, {kinds['suffix']} copied from earlier answers, {forced}"
-                f"{kinds['plain']} plain (predicted fastest there)"
-            )
+        lines.append(f"DFlash: block {r.block_size}, {verified}")
     else:
-        lines.append(f"DFlash: off ({model.draft_note or 'no drafter'}), plain target decoding")
+        copies = f"copies verified, {verified}" if r.adaptive else "plain target decoding"
+        lines.append(f"DFlash: off ({model.draft_note or 'no drafter'}), {copies}")
+    if r.adaptive and r.widths:
+        kinds = {s: r.sources.count(s) for s in ("dflash", "lookup", "suffix", "grammar", "plain")}
+        forced = f"{kinds['grammar']} forced by the grammar, " if kinds["grammar"] else ""
+        lines.append(
+            f"Adaptive: mean width {sum(r.widths) / len(r.widths):.1f}; cycles: {kinds['dflash']} drafted, "
+            f"{kinds['lookup']} prompt lookup, {kinds['suffix']} copied from earlier answers, {forced}"
+            f"{kinds['plain']} plain (predicted fastest there)"
+        )
     return "\n".join(lines)

@@ -27,7 +27,7 @@ from ..io.progress import console
 from ..io.storage import atomic_write, cache_dir, fetch
 from ..decode.learning import Learning, keep
 from ..decode.model import DFlashModel
-from ..decode.plan import Planner
+from ..decode.plan import WIDEST_WITHOUT_DRAFTER, Planner
 from ..decode.suffix import SuffixStore
 from ..target.wrapper import Target
 
@@ -48,10 +48,11 @@ def load(
     """Load a target by short name, HF repo or local path, with its drafter.
 
     `draft` overrides the drafter the registry pairs with `model`;
-    `use_draft=False` loads the target alone (plain decoding, same loop);
+    `use_draft=False` loads the target alone (the same loop, copies alone proposing);
     `adaptive` picks the verify width per cycle from this machine's measured
     cost curve (measured once per model and machine, then cached), and copies
-    from the prompt and from the model's earlier answers where they pay;
+    from the prompt and from the model's earlier answers where they pay, with a
+    drafter or without (`adaptive=False` without a drafter: plain decoding);
     `distributed="pipeline"` (under mlx.launch) splits the target's layers over
     the ranks (`split`: layers per rank, rank 0 first; collective waits bounded
     by `timeout` seconds): rank 0 gets the drafter and drives, the other ranks
@@ -98,33 +99,38 @@ def load(
         draft_path = fetch(resolved.draft, ["*.json", "*.safetensors"])
         drafter, precision = _load_drafter(draft_path, target, draft_quant)
         draft_id = _fingerprint(draft_path) + (f"-as-{precision.name}" if precision.changed else "")
-    planner = None
-    if drafter is not None and adaptive:
-        pair = f"{target_path.name}-{Path(resolved.draft).name}-{draft_id}"
-        if group is not None:  # the network is part of a pass's cost
-            pair += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
-        key = curve_key(pair, target.dtype)
-        long_context = min(LONG_CONTEXT, context_limit(target) or LONG_CONTEXT)
-
-        def measure():
-            console.print(
-                f"Measuring this machine's verify cost at {PROBE_CONTEXT} and {long_context} tokens of context "
-                "for the adaptive block size (once per model and machine)",
-                style="dim",
-            )
-            return measure_costs(target, drafter, long_context=long_context)
-
-        cost = cached_costs(key, measure, cache_dir())
-        step_times = StepTimes.stored(
-            step_times_path(key, cache_dir()), basis=cost.seconds, by_context=cost.context_ratio
-        )
-        planner = Planner(cost, drafter.block_size, step_times)
     fingerprint = f"{target_path.name}-{target.dtype}-{_fingerprint(target_path)}"
     if drafter is not None:
         fingerprint += f"-{draft_id}"
+    planner = None
+    if adaptive:
+        measured = f"{target_path.name}-{Path(resolved.draft).name}-{draft_id}" if drafter is not None else fingerprint
+        if group is not None:  # the network is part of a pass's cost
+            measured += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
+        planner = _planner(target, drafter, curve_key(measured, target.dtype))
     pair = DFlashModel(target, drafter, note, fingerprint, frozenset(tokenizer.eos_token_ids))
     keep(pair, Learning(planner, SuffixStore() if planner is not None else None))  # the process's, across calls
     return pair, tokenizer
+
+
+def _planner(target: Target, drafter: Optional[DFlashDraftModel], key: str) -> Planner:
+    """The adaptive plan over this machine's cost curve for `key` (curve_key), measured on first
+    use: verify widths up to the drafter's block, or without a drafter up to the widest copy
+    (the prompt lookup and earlier answers propose alone)."""
+    widest = drafter.block_size if drafter is not None else WIDEST_WITHOUT_DRAFTER
+    long_context = min(LONG_CONTEXT, context_limit(target) or LONG_CONTEXT)
+
+    def measure():
+        console.print(
+            f"Measuring this machine's verify cost at {PROBE_CONTEXT} and {long_context} tokens of context "
+            "for the adaptive block size (once per model and machine)",
+            style="dim",
+        )
+        return measure_costs(target, drafter, long_context=long_context, widest=widest)
+
+    cost = cached_costs(key, measure, cache_dir())
+    step_times = StepTimes.stored(step_times_path(key, cache_dir()), basis=cost.seconds, by_context=cost.context_ratio)
+    return Planner(cost, widest, step_times)
 
 
 _said: set[str] = set()  # one-line notices already printed by this process

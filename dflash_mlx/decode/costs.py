@@ -103,10 +103,14 @@ class CostModel:
             if self.long_seconds
             else ""
         )
+        drafter = (
+            f"drafter {1e3 * self.draft_seconds:.1f} ms + {1e3 * self.draft_per_token:.2f} ms/token"
+            if self.draft_seconds
+            else "no drafter"
+        )
         return (
             f"verify {'/'.join(map(str, shown))} tokens = "
-            f"{'/'.join(f'{1e3 * self.verify(w):.0f}' for w in shown)} ms{long}; "
-            f"drafter {1e3 * self.draft_seconds:.1f} ms + {1e3 * self.draft_per_token:.2f} ms/token; "
+            f"{'/'.join(f'{1e3 * self.verify(w):.0f}' for w in shown)} ms{long}; {drafter}; "
             f"sampling {1e3 * self.sample_row:.1f} ms/position ({1e3 * self.filtered_row:.1f} with top-p/top-k)"
         )
 
@@ -331,14 +335,17 @@ def measure_costs(
     widths: Sequence[int] = PROBE_WIDTHS,
     repeats: int = 5,
     long_context: Optional[int] = None,
+    widest: Optional[int] = None,
 ) -> CostModel:
-    """Time target passes of width L on top of a `context`-token cache, and one drafter pass;
-    with `long_context`, also the power-of-two widths on top of a cache that long (the anchor
-    of the planner's longer context classes: CostModel.context_ratio).
+    """Time target passes of width L up to `widest` (by default the drafter's block) on top of
+    a `context`-token cache, and one drafter pass (none without a drafter: copies alone
+    propose); with `long_context`, also the power-of-two widths on top of a cache that long
+    (the anchor of the planner's longer context classes: CostModel.context_ratio).
 
     Every probe is timed round-robin, so a burst of other load hits them all alike,
     and the medians are fitted to a non-decreasing curve (a wider pass is never cheaper)."""
-    widths = [w for w in widths if w <= max(draft.block_size, 2)] if draft is not None else [1]
+    widest = widest or (draft.block_size if draft is not None else 1)
+    widths = [w for w in widths if w <= max(widest, 2)] if draft is not None or widest > 1 else [1]
     # powers of four and the widest: the long curve is interpolated between them, and each of
     # its passes reads the whole long cache (the first load times them all)
     long_widths = sorted({w for w in widths if w & (w - 1) == 0 and w.bit_length() % 2 == 1} | {widths[-1]})

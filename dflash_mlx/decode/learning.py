@@ -20,6 +20,15 @@ class Learning:
     suffixes: Optional[SuffixStore] = None  # earlier answers, read by adaptive requests only
 
 
+def widest_verify(model: DFlashModel, learning: Learning) -> int:
+    """The widest verify a request of `model` has unless it asks for less: the drafter's block;
+    without a drafter, the planner's widest copy, or 1 without a planner (plain decoding: only a
+    planner judges when a copy's wide verify pays, from the measured cost curve)."""
+    if model.draft is not None:
+        return model.draft.block_size
+    return learning.planner.max_width if learning.planner is not None else 1
+
+
 _kept: "WeakKeyDictionary[DFlashModel, Learning]" = WeakKeyDictionary()
 
 

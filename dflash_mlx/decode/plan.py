@@ -13,7 +13,9 @@ decoding (L = 1), the drafter at L = 2 .. its block, or the prompt lookup's prop
 (lookup.py: no drafter pass) at L = 2 .. its length + 1, judged by the acceptance of
 matches of that suffix length (a 1-token match is a weak hint, a 4-token one a strong one),
 or the session-wide store's proposal (suffix.py: what earlier answers most often said
-next), judged by the acceptance of matches of its length class.
+next), judged by the acceptance of matches of its length class.  A target without a drafter is
+planned the same way, among plain decoding and the copies (up to WIDEST_WITHOUT_DRAFTER
+tokens verified).
 On a CPU, where a pass is compute-bound, a large batch decodes plain; where the pass cost
 is flat in its length (a Mac GPU), drafting pays at small and medium batch sizes.
 
@@ -382,7 +384,10 @@ def span(rows: list[Row]) -> int:
     return context_class(max(row.context_length for row in rows))
 
 
-FORCED_WIDEST = 16  # a verify of forced tokens without a drafter (with one: its block, the widest measured)
+# The widest verify of copied or forced tokens without a drafter (with one: its block, the widest
+# measured).  A copy's acceptance is pooled over its positions (AcceptanceEstimate.pooled), so a
+# faithful copy goes this wide from its first cycles where the cost curve says it pays.
+WIDEST_WITHOUT_DRAFTER = 16
 
 
 def with_forced(rows: list[Row], plans: list[Plan]) -> list[Plan]:
@@ -392,7 +397,7 @@ def with_forced(rows: list[Row], plans: list[Plan]) -> list[Plan]:
     stretch keeps its plan: it proposes those tokens too)."""
     out = []
     for row, plan in zip(rows, plans):
-        forced = row.forced(min(row.block if row.block > 1 else FORCED_WIDEST, row.left) - 1)
+        forced = row.forced(min(row.block if row.block > 1 else WIDEST_WITHOUT_DRAFTER, row.left) - 1)
         out.append(
             Plan(len(forced) + 1, "grammar", tuple(forced)) if len(forced) + 1 >= plan.width > 0 and forced else plan
         )

@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 
 from .grammar import Grammar
-from .learning import Learning
+from .learning import Learning, widest_verify
 from .lookup import Match, PromptLookup
 from .model import DecodeStats, DFlashModel, Step
 from .plan import Plan
@@ -264,8 +264,10 @@ class Row:
         check_token_ids(request.prompt, model.target.vocab_size)
         self.request, self.uid = request, uid
         self.stats = stats if stats is not None else DecodeStats()
-        self.adaptive = model.draft is not None and request.block_size is None and learning.planner is not None
-        self.block = 1 if model.draft is None else (request.block_size or model.draft.block_size)
+        self.adaptive = request.block_size is None and learning.planner is not None
+        # without a drafter a fixed width is plain decoding: copies alone propose, as the planner chooses
+        fixed = request.block_size if model.draft is not None else 1
+        self.block = widest_verify(model, learning) if self.adaptive else (fixed or widest_verify(model, learning))
         self.stats.block_size, self.stats.adaptive = self.block, self.adaptive
         self.context = Context(model)
         self.noise = None

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from ..api.generation import bounds_of
 from ..cache.prompt_cache import PromptCache, default_bytes, machine_memory
-from ..decode.learning import kept
+from ..decode.learning import kept, widest_verify
 from ..decode.request import Request as EngineRequest
 from .access_log import CLIENT_CLOSED, AccessLog, record_generation
 from .anthropic_api import AnthropicAPI
@@ -80,7 +80,7 @@ class Server:
         self.context = served.bounds.context
         self.prompt_cache = prompt_cache_for(model, model_id, options)
         self.next_turn_prefill = options.next_turn_prefill and self.prompt_cache is not None  # nowhere to keep it else
-        self.metrics = Metrics(model.draft.block_size if model.draft is not None else 1)
+        self.metrics = Metrics(widest_verify(model, kept(model)))
         self.batch_refusal = batch_refusal(model) if options.max_batch > 1 else None  # why one at a time, if so
         self.max_batch = 1 if self.batch_refusal else options.max_batch
         self.max_batch_tokens = options.max_batch_tokens or MAX_BATCH_TOKENS
