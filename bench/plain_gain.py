@@ -1,13 +1,17 @@
-"""DFlash's gain over our own plain decoding on the default pair (SmolLM2-135M + the shipped
-drafter, as `load` loads them), on the held-out chat prompts: the figure that transfers to a
-Mac, since both sides run the same loop, caches and ops.
+"""Our default decoding's gain over our own plain decoding: the figure that transfers to a Mac,
+since both sides run the same loop, caches and ops.  By default the default pair (SmolLM2-135M +
+the shipped drafter, as `load` loads them) on its held-out chat prompts; `--model` another model
+(one without a drafter is served by copies alone: the prompt lookup), `--sets` prompts from the
+benchmark's sets (dflash_mlx/bench/prompt_sets.py: `copy` answers repeat their prompt, the
+others are ordinary), wrapped in the chat template unless `--raw` (a base model continues text).
 
     nice -n 5 python bench/plain_gain.py [--prompts 8] [--max-tokens 96]
+    nice -n 5 python bench/plain_gain.py --model gemma-3-270m --sets copy,humaneval,chat --prompts 4 --raw
 
 Each prompt is decoded greedily by ours at width 1 (plain) and by ours in its default mode
 (adaptive widths; copies from earlier answers off, each prompt a first request), the order
-alternating from prompt to prompt, each timed from its first token; every DFlash output is
-checked equal to the plain one.  Prints the per-prompt speeds, the median gain and the lowest.
+alternating from prompt to prompt, each timed from its first token; every output is checked
+equal to the plain one.  Prints the per-prompt speeds, the median gain and the lowest, per set.
 """
 
 import argparse
@@ -21,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 
-from dflash_mlx.api import load
+from dflash_mlx.api import format_prompt, load
 from dflash_mlx.bench.harness import machine
+from dflash_mlx.bench.prompt_sets import load_prompts
 from dflash_mlx.decode.decoder import decode
 from dflash_mlx.decode.learning import without_answers
 from dflash_mlx.decode.model import DecodeStats
@@ -31,39 +36,64 @@ from dflash_mlx.kernels.metal import chip_name
 from dflash_mlx.train.data import read_data
 
 HELD_OUT = Path(__file__).parents[1] / "data" / "smollm2-135m"
+COPIES = ("lookup", "suffix")
 
 
-def timed(model, prompt: list[int], max_tokens: int, block_size) -> tuple[list[int], float, float]:
-    """(tokens, tok/s after the first token, tau)."""
+def timed(model, prompt: list[int], max_tokens: int, block_size) -> tuple[list[int], float, DecodeStats]:
+    """(tokens, tok/s after the first token, statistics)."""
     stats, tokens = DecodeStats(), []
     steps = decode(model, Request(prompt, max_tokens, block_size=block_size), stats=stats)
     tokens += next(steps).tokens
     tic, first = time.perf_counter(), len(tokens)
     for step in steps:
         tokens += step.tokens
-    return tokens, (len(tokens) - first) / (time.perf_counter() - tic), stats.tau
+    return tokens, (len(tokens) - first) / (time.perf_counter() - tic), stats
+
+
+def prompts_of(args, tokenizer) -> list[tuple[str, list[int]]]:
+    """(set, token ids) of each prompt: the last `--prompts` held-out chat prompts, or `--prompts`
+    of each set, spread over it (the copy set's kinds follow one another)."""
+    if not args.sets:
+        return [("held-out", e.prompt_ids) for e in read_data(HELD_OUT)[-args.prompts :]]
+    chosen = []
+    for name in args.sets.split(","):
+        texts = load_prompts(name)
+        for text in texts[:: max(1, len(texts) // args.prompts)][: args.prompts]:
+            chosen.append((name, format_prompt(tokenizer, text, chat_template=not args.raw)))
+    return chosen
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--model", default=None, help="a short name, repo or dir (default: the default pair)")
+    parser.add_argument("--sets", default="", help="comma-separated prompt sets (default: the held-out chat prompts)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts (of each set)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--raw", action="store_true", help="the sets' prompts without the chat template")
     args = parser.parse_args()
-    model, _ = load(None)
+    model, tokenizer = load(args.model)
     model = without_answers(model)  # each prompt as a first request
-    prompts = [e.prompt_ids for e in read_data(HELD_OUT)[-args.prompts :]]
+    prompts = prompts_of(args, tokenizer)
     for block_size in (1, None):
-        timed(model, prompts[0][:64], 8, block_size)  # the first calls' set-up outside the timing
+        timed(model, prompts[0][1][:64], 8, block_size)  # the first calls' set-up outside the timing
+    ours = "DFlash" if model.draft is not None else "copies"
     print(f"{machine()}, {chip_name()}, {date.today()}; `{' '.join(['python', *sys.argv])}`\n")
-    print("| prompt | plain tok/s | DFlash tok/s | gain | tau | same output |\n|---|---|---|---|---|---|")
-    gains = []
-    for i, prompt in enumerate(prompts):
+    print(f"| set | prompt | plain tok/s | {ours} tok/s | gain | tau | copy cycles | same output |")
+    print("|---|---|---|---|---|---|---|---|")
+    gains: dict[str, list[float]] = {}
+    for i, (name, prompt) in enumerate(prompts):
         order = (1, None) if i % 2 == 0 else (None, 1)
         runs = {block_size: timed(model, prompt, args.max_tokens, block_size) for block_size in order}
-        (plain, plain_tps, _), (ours, ours_tps, tau) = runs[1], runs[None]
-        gains.append(ours_tps / plain_tps)
-        print(f"| {i} | {plain_tps:.1f} | {ours_tps:.1f} | {gains[-1]:.2f}x | {tau:.2f} | {ours == plain} |")
-    print(f"\nmedian gain {median(gains):.2f}x, lowest {min(gains):.2f}x over {len(gains)} prompts")
+        (plain, plain_tps, _), (tokens, ours_tps, stats) = runs[1], runs[None]
+        gains.setdefault(name, []).append(ours_tps / plain_tps)
+        copies = sum(source in COPIES for source in stats.sources)
+        print(
+            f"| {name} | {i} | {plain_tps:.1f} | {ours_tps:.1f} | {gains[name][-1]:.2f}x | {stats.tau:.2f} | "
+            f"{copies} of {stats.cycles} | {tokens == plain} |"
+        )
+    print()
+    for name, values in [*gains.items(), ("all", [g for values in gains.values() for g in values])]:
+        print(f"{name}: median gain {median(values):.2f}x, lowest {min(values):.2f}x over {len(values)} prompts")
 
 
 if __name__ == "__main__":

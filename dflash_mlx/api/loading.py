@@ -99,12 +99,14 @@ def load(
         draft_path = fetch(resolved.draft, ["*.json", "*.safetensors"])
         drafter, precision = _load_drafter(draft_path, target, draft_quant)
         draft_id = _fingerprint(draft_path) + (f"-as-{precision.name}" if precision.changed else "")
-    fingerprint = f"{target_path.name}-{target.dtype}-{_fingerprint(target_path)}"
+    target_id = _fingerprint(target_path)
+    fingerprint = f"{target_path.name}-{target.dtype}-{target_id}"
     if drafter is not None:
         fingerprint += f"-{draft_id}"
     planner = None
     if adaptive:
-        measured = f"{target_path.name}-{Path(resolved.draft).name}-{draft_id}" if drafter is not None else fingerprint
+        alone = f"{target_path.name}-{target_id}"
+        measured = f"{target_path.name}-{Path(resolved.draft).name}-{draft_id}" if drafter is not None else alone
         if group is not None:  # the network is part of a pass's cost
             measured += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
         planner = _planner(target, drafter, curve_key(measured, target.dtype))
