@@ -433,6 +433,7 @@ def _without_prompt_cache(options):
 
 def _say_how_it_serves(server, name: str, host: str, port: int, api_key: Optional[str]) -> None:
     """The start-up lines on stderr: who can reach it, how it batches, what it keeps."""
+    from .decode.learning import kept
     from .serve.guard import host_name, is_loopback
 
     if api_key is None and not is_loopback(host_name(host)):
@@ -448,8 +449,6 @@ def _say_how_it_serves(server, name: str, host: str, port: int, api_key: Optiona
     reuse = (
         f"prompt cache {server.prompt_cache.max_bytes / 2**30:.1f} GiB" if server.prompt_cache else "no prompt cache"
     )
-    from .decode.learning import kept
-
     drafter = "on" if server.model.draft is not None else "off"
     copies = "on" if kept(server.model).planner is not None else "off"
     typer.secho(

@@ -344,8 +344,8 @@ def measure_costs(
 
     Every probe is timed round-robin, so a burst of other load hits them all alike,
     and the medians are fitted to a non-decreasing curve (a wider pass is never cheaper)."""
-    widest = widest or (draft.block_size if draft is not None else 1)
-    widths = [w for w in widths if w <= max(widest, 2)] if draft is not None or widest > 1 else [1]
+    widest = widest or (max(draft.block_size, 2) if draft is not None else 1)
+    widths = [w for w in widths if w <= widest]
     # powers of four and the widest: the long curve is interpolated between them, and each of
     # its passes reads the whole long cache (the first load times them all)
     long_widths = sorted({w for w in widths if w & (w - 1) == 0 and w.bit_length() % 2 == 1} | {widths[-1]})
