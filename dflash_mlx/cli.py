@@ -499,10 +499,23 @@ def launch(
 def make_data(
     out: str = typer.Option(..., "--out", "-o", help="Data directory (resumes if it exists)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: short name, HF repo or local dir."),
-    prompts: str = typer.Option(
-        "builtin",
+    prompts: Optional[str] = typer.Option(
+        None,
         "--prompts",
-        help="'builtin', 'edits' (whole functions rewritten with one change) or 'revisions' (prose paragraphs revised; :SEED for another draw), a .txt (one per line) or .jsonl ({\"prompt\": ...}) file.",
+        help="'builtin' (default), 'edits' (whole functions rewritten with one change) or 'revisions' (prose paragraphs revised; :SEED for another draw), a .txt (one per line) or .jsonl ({\"prompt\": ...}) file.",
+    ),
+    text: Optional[str] = typer.Option(
+        None,
+        "--text",
+        help="For a base model: plain continuations cut from these text files (comma-separated globs, quoted) instead of generated responses; --max-tokens is then each response's length.",
+    ),
+    prompt_tokens: Optional[int] = typer.Option(
+        None, "--prompt-tokens", help="With --text: tokens per prompt, BOS included (default 192)."
+    ),
+    stride: Optional[int] = typer.Option(
+        None,
+        "--stride",
+        help="With --text: tokens from one cut to the next (default: prompt + response, back to back).",
     ),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Longest response per prompt."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Stop after about this many response tokens."),
@@ -514,7 +527,8 @@ def make_data(
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of sampled responses."),
 ):
-    """Generate the target's own responses (self-distillation data)."""
+    """Generate the target's own responses (self-distillation data), or with --text cut plain
+    continuations from text files (for a base model)."""
     from .api import load
     from .train.data import make_data as run
     from .train.prompts import read_prompts
@@ -527,11 +541,37 @@ def make_data(
         fail(f"--budget must be > 0, got {budget}")
     if not temp >= 0:
         fail(f"--temp must be >= 0, got {temp}")
-    texts = read_prompts(prompts)
+    if text is not None:
+        if prompts is not None or temp or budget is not None:
+            fail("--text cuts responses from the files: --prompts, --temp and --budget apply to generated ones")
+        _make_text_data(out, model, text, 192 if prompt_tokens is None else prompt_tokens, max_tokens, stride)
+        return
+    if prompt_tokens is not None or stride is not None:
+        fail("--prompt-tokens and --stride apply to --text only")
+    texts = read_prompts(prompts or "builtin")
     writable(Path(out), "data")
     pair, tokenizer = load(model, use_draft=False, adaptive=False)
     path = run(pair.target, tokenizer, texts, out, max_tokens, budget, batch_size, temp=temp, seed=seed)
     typer.echo(f"data in {path}")
+
+
+def _make_text_data(out: str, model: Optional[str], globs: str, prompt_tokens: int, max_tokens: int, stride):
+    from .api import load
+    from .io.storage import writable
+    from .train.continuations import continuations, text_files, write_continuations
+    from .train.data import target_fingerprint
+
+    stride = prompt_tokens + max_tokens if stride is None else stride
+    files = text_files(globs)
+    writable(Path(out), "data")
+    pair, tokenizer = load(model, use_draft=False, adaptive=False)
+    examples = continuations(tokenizer, files, prompt_tokens, max_tokens, stride)
+    source = (
+        f"plain continuations of {globs}: {prompt_tokens}-token prompts + the next {max_tokens} tokens, "
+        f"every {stride} tokens"
+    )
+    path = write_continuations(out, target_fingerprint(pair.target, tokenizer), examples, source)
+    typer.echo(f"{len(examples)} continuations of {len(files)} files in {path}")
 
 
 @train_app.command("make-prompts")

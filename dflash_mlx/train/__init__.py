@@ -2,6 +2,7 @@
 
 prompts.py, corpus.py  what to train on: built-in prompts, standard-library text
 data.py                the target's own responses (`train make-data`)
+continuations.py       plain continuations of text files, for a base model (`make-data --text`)
 labels.py              the target's pass: features and the labels it implies
 packing.py             many blocks of many sequences in one drafter pass
 loss.py                the weighted, restricted-head loss (+ distillation, + selector)
