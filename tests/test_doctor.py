@@ -206,3 +206,36 @@ def test_an_unknown_model_is_one_line(offline):
 )
 def test_parameters_in_a_name(name, parameters):
     assert doctor.parameters_in_name(name) == parameters
+
+
+def test_a_model_without_a_drafter_lists_its_own_cost_curve_only(offline):
+    """A target alone's curve is keyed by its folder's name and weights (loading.alone_key): the
+    plan lists it, not another target's, nor this target's with a drafter, nor one of its older
+    weights."""
+    import mlx.core as mx
+
+    from dflash_mlx.api.loading import alone_key
+    from dflash_mlx.decode.costs import costs_path, curve_key
+
+    target = offline / "models" / "base-270m"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    costs = offline / "cache"
+
+    def stored(name: str) -> str:
+        path = costs_path(curve_key(name, mx.float32), costs)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+        return str(path)
+
+    own = stored(alone_key(target))
+    stored(f"other-1b-{alone_key(target).rsplit('-', 1)[1]}")
+    stored("base-270m-some-draft-0123456789")
+    assert doctor.model_plan(str(target), None)["cost_curve"]["files"] == [own]
+    (target / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "vocab_size": 3}))
+    assert doctor.model_plan(str(target), None)["cost_curve"] == {
+        "folder": str(costs / "costs"),
+        "files": [],
+        "present": False,
+    }
+    assert len(doctor.report()["cost_curves"]["files"]) == 3  # doctor alone lists every curve

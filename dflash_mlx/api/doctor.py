@@ -19,14 +19,16 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+from huggingface_hub import try_to_load_from_cache
 
 from ..convert.smollm2 import DEFAULT_MODEL
 from ..decode.costs import costs_path
 from ..io import blas
-from ..io.storage import cache_dir
+from ..io.storage import cache_dir, looks_like_path
 from ..kernels import cpu, metal
 from ..kernels.fused_ops import fusing
 from . import registry
+from .loading import alone_key
 from .registry import DEFAULT_DRAFT, PUBLISHED, QUANT_BITS, resolve
 
 
@@ -133,13 +135,38 @@ def softmax_status() -> str:
     return "the C++ row softmax, not built yet: built at the first model load (~10 s) or by scripts/setup.sh"
 
 
-def cost_curves(draft_name: str = "") -> dict:
-    """This machine's stored cost curves (decode/costs.py: a curve's key names the chip), those of
-    one drafter if named."""
-    pattern = costs_path(f"*-{draft_name}-*" if draft_name else "*", cache_dir())
+def cost_curves(key: Optional[str] = "*") -> dict:
+    """This machine's stored cost curves (decode/costs.py: a curve's key names the chip) whose key
+    matches the glob `key` (None: none can)."""
+    pattern = costs_path(key or "", cache_dir())
     chip = metal.chip_name().replace("/", "_").replace(" ", "_")  # as costs_path spells it in a name
-    found = sorted(str(p) for p in pattern.parent.glob(pattern.name) if chip in p.name)
+    found = sorted(str(p) for p in pattern.parent.glob(pattern.name) if chip in p.name) if key else []
     return {"folder": str(pattern.parent), "files": found, "present": bool(found)}
+
+
+def model_curves(target: str, draft: Optional[str]) -> dict:
+    """The stored cost curves of a model: its drafter's, or without one the target's alone (keyed
+    by its folder's name and weights, as load keys it: loading.alone_key)."""
+    if draft:
+        return cost_curves(f"*-{Path(draft).name}-*")
+    folder = _local_dir(target)
+    if folder is None or not cost_curves(f"{folder.name}-*")["present"]:  # not loaded here: no weights to hash
+        return cost_curves(None)
+    return cost_curves(f"{alone_key(folder)}-*")
+
+
+def _local_dir(target: str) -> Optional[Path]:
+    """Where `target`'s files are on this machine (a folder, or its Hugging Face snapshot), else None."""
+    folder = Path(target).expanduser()
+    if folder.is_dir():
+        return folder
+    if looks_like_path(target):
+        return None
+    try:
+        config = try_to_load_from_cache(target, "config.json")
+    except ValueError:  # a name the hub refuses
+        return None
+    return Path(config).parent if isinstance(config, str) else None
 
 
 # ------------------------------------------------------------------- a model
@@ -170,7 +197,7 @@ def model_plan(model: str, quant: Optional[int], draft_quant: Optional[int] = No
         "usable_gib": _gib(usable),
         "fits": "unknown" if total is None else ("yes" if total <= usable else "no"),
         "why": "the weights alone (their files here, else the parameters in the name at the dtype's size)",
-        "cost_curve": cost_curves(Path(draft).name if draft else ""),
+        "cost_curve": model_curves(target, draft),
     }
 
 
@@ -202,7 +229,7 @@ def _published_plan(name: str, quant: Optional[int], draft_quant: Optional[int])
         "usable_gib": _gib(budget.bytes),
         "fits": "yes" if need.total <= budget.bytes else "no",
         "why": why or f"--quant {quant}: loaded whatever it needs",
-        "cost_curve": cost_curves(Path(pair.draft).name),
+        "cost_curve": model_curves(registry.variant_repo(pair, quant), pair.draft),
     }
 
 

@@ -105,7 +105,7 @@ def load(
         fingerprint += f"-{draft_id}"
     planner = None
     if adaptive:
-        alone = f"{target_path.name}-{target_id}"
+        alone = alone_key(target_path, target_id)
         measured = f"{target_path.name}-{Path(resolved.draft).name}-{draft_id}" if drafter is not None else alone
         if group is not None:  # the network is part of a pass's cost
             measured += f"-pipeline-{target.start}-{target.end}-of-{group.size()}"
@@ -183,6 +183,12 @@ def _fitting_quant(
 
 
 WEIGHT_DIGESTS = "weight-digests.json"  # in cache_dir(): each weight file's sha256, by path
+
+
+def alone_key(target_path: Path, target_id: Optional[str] = None) -> str:
+    """What the cost curve of a target without a drafter is kept under (before curve_key adds the
+    dtype and the machine): its folder's name and its weights (`target_id`: their _fingerprint)."""
+    return f"{target_path.name}-{target_id or _fingerprint(target_path)}"
 
 
 def _fingerprint(folder: Path) -> str:
