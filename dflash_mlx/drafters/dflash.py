@@ -93,14 +93,21 @@ class ContextRows:
     all their blocks: the projections and MLPs read the weights once for every row, and
     each row's block attends to its own context at its own positions."""
 
-    def __init__(self, rows: list[ContextKV], width: int):
+    def __init__(self, rows: list[ContextKV], width: int, position: Optional[mx.array] = None):
+        """`position` (rows, width): the blocks' positions, when built already (every layer's
+        contexts of a row hold as many entries: one array serves them all)."""
         self.rows = rows
-        self.position = mx.array([[c.offset + i for i in range(width)] for c in rows])  # (rows, width)
+        self.position = position if position is not None else block_positions(rows, width)
 
     def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
         return mx.concatenate(
             [c.attend(attn, queries[i : i + 1], keys[i : i + 1], values[i : i + 1]) for i, c in enumerate(self.rows)]
         )
+
+
+def block_positions(rows: list[ContextKV], width: int) -> mx.array:
+    """(rows, width): each row's block positions, right after its context."""
+    return mx.array([[c.offset + i for i in range(width)] for c in rows])
 
 
 class DraftAttention(nn.Module):

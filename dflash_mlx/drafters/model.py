@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ..sampling import SamplingParams, choose
 from .config import CODEBOOKS, DraftArgs, check_pair
-from .dflash import ContextKV, ContextRows, DraftLayer
+from .dflash import ContextKV, ContextRows, DraftLayer, block_positions
 from .dflash2 import CandidateSelector, DFlash2Layer
 from .vocab import DraftVocabulary
 
@@ -124,7 +124,8 @@ class DFlashDraftModel(nn.Module):
         if len(caches) == 1:
             contexts = caches[0]
         else:
-            contexts = [ContextRows(list(layer), blocks.shape[1]) for layer in zip(*caches)]
+            position = block_positions([cache[0] for cache in caches], blocks.shape[1])  # built once, for every layer
+            contexts = [ContextRows(list(layer), blocks.shape[1], position) for layer in zip(*caches)]
         ids = self.vocab_ids
         if self.args.dflash2:
             hidden = self.run_layers(blocks, contexts)[:, 1:]
