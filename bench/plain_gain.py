@@ -12,6 +12,13 @@ Each prompt is decoded greedily by ours at width 1 (plain) and by ours in its de
 (adaptive widths; copies from earlier answers off, each prompt a first request), the order
 alternating from prompt to prompt, each timed from its first token; every output is checked
 equal to the plain one.  Prints the per-prompt speeds, the median gain and the lowest, per set.
+
+With a drafter, then the cost curve (decode/costs.py: target passes of each width on a 256-token
+cache and the drafter's pass, each timed alone, round-robin) and, per prompt, the verify-bound
+gain: what it would gain if each of its cycles cost only its target pass and its drafter pass as
+timed alone, and a plain token one 1-token pass.  The verify-bound gain's distance from tau is
+what the verify costs on this machine; the measured gain's distance from it is what the loop's
+host work (and what the curve does not model) leaves.
 """
 
 import argparse
@@ -28,6 +35,7 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 from dflash_mlx.api import format_prompt, load
 from dflash_mlx.bench.harness import machine
 from dflash_mlx.bench.prompt_sets import load_prompts
+from dflash_mlx.decode.costs import CostModel, measure_costs
 from dflash_mlx.decode.decoder import decode
 from dflash_mlx.decode.learning import without_answers
 from dflash_mlx.decode.model import DecodeStats
@@ -48,6 +56,16 @@ def timed(model, prompt: list[int], max_tokens: int, block_size) -> tuple[list[i
     for step in steps:
         tokens += step.tokens
     return tokens, (len(tokens) - first) / (time.perf_counter() - tic), stats
+
+
+def verify_bound(cost: CostModel, stats: DecodeStats) -> float:
+    """The gain over plain decoding if every cycle cost its target pass and drafter pass as the
+    curve times them alone (a plain token: one 1-token pass)."""
+    seconds = sum(
+        cost.verify(width) + (cost.drafter_pass(width) if source == "dflash" and width > 1 else 0.0)
+        for width, source in zip(stats.widths, stats.sources)
+    )
+    return sum(stats.accepted_lengths) * cost.verify(1) / seconds
 
 
 def prompts_of(args, tokenizer) -> list[tuple[str, list[int]]]:
@@ -81,11 +99,13 @@ def main():
     print(f"| set | prompt | plain tok/s | {ours} tok/s | gain | tau | copy cycles | same output |")
     print("|---|---|---|---|---|---|---|---|")
     gains: dict[str, list[float]] = {}
+    measured = []  # (gain, statistics) of each prompt
     for i, (name, prompt) in enumerate(prompts):
         order = (1, None) if i % 2 == 0 else (None, 1)
         runs = {block_size: timed(model, prompt, args.max_tokens, block_size) for block_size in order}
         (plain, plain_tps, _), (tokens, ours_tps, stats) = runs[1], runs[None]
         gains.setdefault(name, []).append(ours_tps / plain_tps)
+        measured.append((ours_tps / plain_tps, stats))
         copies = sum(source in COPIES for source in stats.sources)
         print(
             f"| {name} | {i} | {plain_tps:.1f} | {ours_tps:.1f} | {gains[name][-1]:.2f}x | {stats.tau:.2f} | "
@@ -94,6 +114,22 @@ def main():
     print()
     for name, values in [*gains.items(), ("all", [g for values in gains.values() for g in values])]:
         print(f"{name}: median gain {median(values):.2f}x, lowest {min(values):.2f}x over {len(values)} prompts")
+    if model.draft is not None:
+        print_verify_bound(model, measured)
+
+
+def print_verify_bound(model, measured: list) -> None:
+    """The cost curve, and each prompt's verify-bound gain beside its measured one."""
+    cost = measure_costs(model.target, model.draft, context=256)
+    print(f"\nthe cost curve: {cost.describe()}\n")
+    print("| prompt | tau | verify-bound gain | measured gain | measured / verify-bound |\n|---|---|---|---|---|")
+    shares = []
+    for i, (gain, stats) in enumerate(measured):
+        bound = verify_bound(cost, stats)
+        shares.append(gain / bound)
+        print(f"| {i} | {stats.tau:.2f} | {bound:.2f}x | {gain:.2f}x | {shares[-1]:.2f} |")
+    bounds = [verify_bound(cost, stats) for _, stats in measured]
+    print(f"\nmedian verify-bound gain {median(bounds):.2f}x; measured / verify-bound {median(shares):.2f} (median)")
 
 
 if __name__ == "__main__":
