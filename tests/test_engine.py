@@ -1,5 +1,6 @@
 """Greedy DFlash decoding is token-for-token identical to plain mlx-lm decoding."""
 
+import functools
 import random
 
 import mlx.core as mx
@@ -60,9 +61,22 @@ def dflash_greedy(target, draft, prompt, max_tokens=MAX_TOKENS, block_size=None)
     return out, stats
 
 
+@functools.cache
+def family_target(model_type: str) -> Target:
+    return tiny_target(model_type, seed=2)
+
+
 @pytest.fixture(scope="module", params=by_family(MODEL_TYPES))
 def target(request):
-    return tiny_target(request.param, seed=2)
+    return family_target(request.param)
+
+
+def every_family_at(block_sizes: tuple, fast_size: int | None = None) -> list:
+    """(family, block size) params: in the fast subset every size on llama and the other fast
+    families at `fast_size` alone (at no size if None: their other sizes repeat what llama
+    shows); every pair in the full run."""
+    cases = [(family, size) for family in MODEL_TYPES for size in block_sizes]
+    return by_family(cases, fast=lambda family, size: family == "llama" or size == fast_size)
 
 
 def test_forward_matches_mlx_lm(target):
@@ -99,8 +113,9 @@ def test_the_first_token_comes_from_the_prompts_own_pass(target):
     assert len(first.tokens) == 1 and out == plain_greedy(target, prompt, 12)
 
 
-@pytest.mark.parametrize("block_size", [2, 5, 16])
-def test_random_drafter_is_lossless(target, block_size):
+@pytest.mark.parametrize("model_type, block_size", every_family_at((2, 5, 16), fast_size=5))
+def test_random_drafter_is_lossless(model_type, block_size):
+    target = family_target(model_type)
     draft = random_draft(target, block_size=block_size)
     for prompt in PROMPTS:
         out, stats = dflash_greedy(target, draft, prompt)
@@ -114,8 +129,11 @@ def test_random_drafter_is_lossless(target, block_size):
         )
 
 
-@pytest.mark.parametrize("block_size", [3, 16])
-def test_dflash2_drafter_is_lossless(target, block_size):
+# the drafter's own proposals (its selector) are the same whatever the target: the fast subset
+# runs it on llama, the full run on every family
+@pytest.mark.parametrize("model_type, block_size", every_family_at((3, 16)))
+def test_dflash2_drafter_is_lossless(model_type, block_size):
+    target = family_target(model_type)
     draft = random_dflash2(target, block_size=block_size)
     for prompt in PROMPTS:
         assert dflash_greedy(target, draft, prompt)[0] == plain_greedy(target, prompt)

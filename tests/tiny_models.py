@@ -18,13 +18,14 @@ HIDDEN = 32
 FAST_FAMILIES = ("llama", "qwen3_5", "gpt_oss")
 
 
-def by_family(cases: list) -> list:
-    """pytest params for `cases` (family names, or tuples that start with one), the families
-    outside FAST_FAMILIES marked slow."""
+def by_family(cases: list, fast=lambda *case: True) -> list:
+    """pytest params for `cases` (family names, or tuples that start with one), marked slow where
+    the family is outside FAST_FAMILIES or `fast(*case)` says the case repeats, on that family,
+    what another fast case shows."""
     params = []
     for case in cases:
         values = case if isinstance(case, tuple) else (case,)
-        marks = () if values[0] in FAST_FAMILIES else pytest.mark.slow
+        marks = () if values[0] in FAST_FAMILIES and fast(*values) else pytest.mark.slow
         params.append(pytest.param(*values, marks=marks))
     return params
 
