@@ -25,13 +25,14 @@ from dflash_mlx.sampling import SamplingParams
 from tiny_models import by_family, random_draft, tiny_target
 
 SYSTEM = list(range(30, 70))  # a shared prefix (think: system prompt + earlier turns)
+ANSWER = 12  # tokens an answer runs to: several verify cycles at block 4
 
 
 def run(model, prompt, cache=None, params=SamplingParams(), seed=None):
     stats = DecodeStats()
     tokens = [
         t
-        for s in decode(model, Request(list(prompt), 24, params, seed=seed), prompt_cache=cache, stats=stats)
+        for s in decode(model, Request(list(prompt), ANSWER, params, seed=seed), prompt_cache=cache, stats=stats)
         for t in s.tokens
     ]
     return tokens, stats.cached_tokens
@@ -78,7 +79,7 @@ def test_cached_prompts_decode_exactly_as_cold(model_type, overrides):
 def run_batched(model, prompts, cache):
     """`prompts` decoded together in one batch: each one's tokens and cached prefix length."""
     decoder = Decoder(model, cache, max_batch=len(prompts))
-    rows = [decoder.add(Request(list(prompt), 24)) for prompt in prompts]
+    rows = [decoder.add(Request(list(prompt), ANSWER)) for prompt in prompts]
     while decoder.busy:
         decoder.step()
     return [(row.output, row.stats.cached_tokens) for row in rows]
@@ -154,7 +155,7 @@ def test_a_request_does_not_wait_for_a_prefill_that_would_give_it_little_more_th
     common = list(range(87, 97))
     prompts = [system + common + [5, 6, 7], system + common + [8, 9]]
     decoder = Decoder(model, cache, max_batch=2)
-    requests = [decoder.add(Request(prompt, 24)) for prompt in prompts]
+    requests = [decoder.add(Request(prompt, ANSWER)) for prompt in prompts]
     assert set(decoder.step().steps) == {request.uid for request in requests}
     while decoder.busy:
         decoder.step()
@@ -170,7 +171,7 @@ def test_a_prompt_prefilled_for_later_is_kept_without_joining_the_decoding_rows(
     model = DFlashModel(target, random_draft(target, block_size=4))
     cache = PromptCache()
     decoder = Decoder(model, cache, max_batch=3)
-    decoding = decoder.add(Request(SYSTEM + [5, 6], 24))
+    decoding = decoder.add(Request(SYSTEM + [5, 6], ANSWER))
     decoder.step()
     decoder.step()
     reshaped = []
@@ -196,10 +197,10 @@ def test_a_request_restores_what_it_shares_with_a_row_decoding():
     system = list(range(3, 3 + SHARED_MIN + 20))
     cache = PromptCache()
     decoder = Decoder(model, cache, max_batch=3)
-    first = decoder.add(Request(system + [5, 6, 7], 24))
+    first = decoder.add(Request(system + [5, 6, 7], ANSWER))
     decoder.step()  # prefilled: decoding
     decoder.step()
-    later = [decoder.add(Request(system + [5, 6, 7], 24)), decoder.add(Request(system[:-10] + [9], 24))]
+    later = [decoder.add(Request(system + [5, 6, 7], ANSWER)), decoder.add(Request(system[:-10] + [9], ANSWER))]
     while decoder.busy:
         decoder.step()
     assert [r.stats.cached_tokens for r in later] == [len(system) + 2, len(system) - 10]
@@ -278,7 +279,7 @@ def test_an_answer_closed_early_is_kept_too():
     target = tiny_target("qwen3_5", seed=2)
     model = DFlashModel(target, random_draft(target, block_size=4))
     cache = PromptCache()
-    steps = decode(model, Request(list(SYSTEM), 24, SamplingParams()), prompt_cache=cache)
+    steps = decode(model, Request(list(SYSTEM), ANSWER, SamplingParams()), prompt_cache=cache)
     said = [t for _, step in zip(range(3), steps) for t in step.tokens]
     steps.close()
     answer, cached = run(model, SYSTEM + said + [1, 2], cache)
