@@ -139,8 +139,9 @@ def test_dflash2_drafter_is_lossless(model_type, block_size):
         assert dflash_greedy(target, draft, prompt)[0] == plain_greedy(target, prompt)
 
 
-@pytest.mark.parametrize("block_size", [2, 7, 16])
-def test_oracle_drafter_full_and_partial_acceptance(target, block_size):
+@pytest.mark.parametrize("model_type, block_size", every_family_at((2, 7, 16), fast_size=7))
+def test_oracle_drafter_full_and_partial_acceptance(model_type, block_size):
+    target = family_target(model_type)
     prompt = PROMPTS[0]
     reference = plain_greedy(target, prompt, MAX_TOKENS + 16)
     rng = random.Random(block_size)

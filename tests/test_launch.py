@@ -120,6 +120,18 @@ def launch(env, *args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def refused(env, *args) -> tuple[int, str]:
+    """`dflash-mlx launch` run in this process, with `env` as its environment: the exit status
+    and stderr.  For the refusals, which start nothing (the tests that start a server and an
+    agent run the command as a process of its own, as a user does)."""
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    result = CliRunner().invoke(app, ["launch", *args], env=env)
+    return result.exit_code, result.stderr
+
+
 def recorded(env) -> dict:
     with open(env["STANDIN_RECORD"]) as f:
         return json.load(f)
@@ -217,14 +229,14 @@ def test_ctrl_c_ends_the_agent_then_the_server(agents_on_path, wide_dirs):
 
 def test_a_missing_agent_says_how_to_install_it(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # no agent on it
-    done = launch(env, "codex", timeout=120)
-    assert done.returncode == 1
-    assert "Codex CLI is not installed" in done.stderr and "npm install -g @openai/codex" in done.stderr
+    status, stderr = refused(env, "codex")
+    assert status == 1
+    assert "Codex CLI is not installed" in stderr and "npm install -g @openai/codex" in stderr
 
 
 def test_an_unknown_agent_is_refused_by_name(agents_on_path):
-    done = launch(agents_on_path, "cursor", timeout=120)
-    assert done.returncode == 1 and "unknown agent 'cursor'" in done.stderr and "claude, codex, opencode" in done.stderr
+    status, stderr = refused(agents_on_path, "cursor")
+    assert status == 1 and "unknown agent 'cursor'" in stderr and "claude, codex, opencode" in stderr
 
 
 def test_a_given_port_taken_by_another_program_is_an_error(agents_on_path):
@@ -238,10 +250,10 @@ def test_a_given_port_taken_by_another_program_is_an_error(agents_on_path):
     other = HTTPServer(("127.0.0.1", 0), NotDflash)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
-        done = launch(agents_on_path, "opencode", "--port", str(other.server_port), timeout=120)
+        status, stderr = refused(agents_on_path, "opencode", "--port", str(other.server_port))
     finally:
         other.shutdown()
-    assert done.returncode == 1 and "is taken by a server that is not dflash-mlx" in done.stderr
+    assert status == 1 and "is taken by a server that is not dflash-mlx" in stderr
     assert not os.path.exists(agents_on_path["STANDIN_RECORD"])  # the agent never ran
 
 

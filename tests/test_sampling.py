@@ -200,7 +200,9 @@ def test_seeded_output_does_not_depend_on_the_widths(pair):
     length = 20  # positions whose noise is checked, in blocks of 2 and 3
     for params in (SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9, top_k=4)):
         reference = [
-            t for step in decode(DFlashModel(target), Request(list(PROMPT), length, params, seed=7)) for t in step.tokens
+            t
+            for step in decode(DFlashModel(target), Request(list(PROMPT), length, params, seed=7))
+            for t in step.tokens
         ]
         for model, width in [
             (DFlashModel(target, draft), 2),
