@@ -151,6 +151,8 @@ def assert_configured(agent: str, record: dict, model_id: str, port: int) -> Non
         assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == budget and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(WIDE)
         assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == str(WIDE)  # room to compact: first request, summary, reply
         assert env["DISABLE_TELEMETRY"] == env["DISABLE_ERROR_REPORTING"] == "1"
+        # a long prefill or reply is waited for, not abandoned and sent again after Claude Code's 10 minutes
+        assert int(env["API_TIMEOUT_MS"]) >= 3_600_000 and int(env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"]) == 1_800_000
         assert record["answered"][1]["type"] == "message"
     elif agent == "codex":
         config = record["config"]

@@ -19,6 +19,13 @@ UNKNOWN_CONTEXT_OUTPUT_TOKENS = 8_192  # a 64k window's budget; a fifth of Qwen3
 MIN_REPLY_TOKENS = 256  # a window leaving less after the first request cannot hold a session
 CLAUDE_COMPACT_MARGIN = 13_000  # Claude Code compacts at window - min(reply, 20,000) - 13,000 (read in its code)
 CLAUDE_REPLY_CAP = 20_000
+# A request to a local model takes as long as its prefill and reply do (a 22k-token first request
+# is minutes on a small machine, a long reply more): Claude Code's own limits (API_TIMEOUT_MS, 10
+# minutes a request; CLAUDE_STREAM_IDLE_TIMEOUT_MS, 5 minutes without a byte, which the server
+# sends from the first token on) abandon it and send it again, for ever.  Its idle limit is capped
+# at 30 minutes (read in its code, 2.1.197); a request's at a day.
+CLAUDE_REQUEST_TIMEOUT_MS = 86_400_000
+CLAUDE_IDLE_TIMEOUT_MS = 1_800_000
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,8 @@ def claude_code(served: Served, plan: Plan) -> tuple[list[str], dict[str, str]]:
         "ANTHROPIC_SMALL_FAST_MODEL": model,  # the haiku slot's older name, which older versions read
         "CLAUDE_CODE_SUBAGENT_MODEL": model,
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(plan.reply),
+        "API_TIMEOUT_MS": str(CLAUDE_REQUEST_TIMEOUT_MS),
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(CLAUDE_IDLE_TIMEOUT_MS),
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
     }
