@@ -2,12 +2,13 @@
 2k, 4k and 8k prompt tokens (SmolLM2's context is 8k).
 
     python bench/long_context.py [--lengths 2048,4096,8000] [--max-tokens 128] [--reps 2]
-        [--model gemma-3-270m --draft DIR] [--out bench/results/long-context]
+        [--model gemma-3-270m --draft DIR] [--block-size 4] [--out bench/results/long-context]
 
 Each prompt is a source file of HumanEval stubs cut to the length, then a question about it
 (the `long` set's shape, longer).  Per length and rep, plain mlx-lm (`stream_generate`, its own
-ops) and DFlash (the default adaptive plan, a fresh request: no prompt cache) run one after the
-other, in alternating order; medians over the reps, greedy.
+ops) and DFlash (the default adaptive plan, or a fixed `--block-size` to compare a drafter's tau
+across lengths; a fresh request: no prompt cache) run one after the other, in alternating order;
+medians over the reps, greedy.
 """
 
 import json
@@ -48,6 +49,7 @@ def main(
     reps: int = typer.Option(2, "--reps"),
     model: Optional[str] = typer.Option(None, "--model", help="Target (default: the default pair's)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Drafter dir (default: the registry's)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="A fixed width (default: adaptive)."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ):
     pair, tokenizer = load(model, draft)
@@ -64,7 +66,7 @@ def main(
                 order = ["plain", "dflash"] if rep % 2 == 0 else ["dflash", "plain"]
                 for name in order:
                     run = run_plain if name == "plain" else run_dflash
-                    extra = () if name == "plain" else (None,)
+                    extra = () if name == "plain" else (block_size,)
                     runs[name].append(run(pair, tokenizer, prompt, max_tokens, "greedy", rep, *extra))
                 bar.advance(task)
             median = statistics.median
