@@ -265,10 +265,17 @@ def test_call_bodies_read_as_mlx_lms_parsers_read_them(tokenizers):
 # ---------------------------------------------------------------- the three APIs, every split
 
 
+class StubModel:
+    """A model the server can keep its learning for (decode/learning.py: weakly keyed, by identity)."""
+
+    def __init__(self, **parts):
+        self.__dict__.update(parts)
+
+
 def stub_model():
     """What the server reads of a model when a script answers for its engine."""
     args = SimpleNamespace(max_position_embeddings=4096)
-    return SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(args=args), vocab_size=320), draft=None)
+    return StubModel(target=SimpleNamespace(model=SimpleNamespace(args=args), vocab_size=320), draft=None)
 
 
 @pytest.fixture(scope="module")
