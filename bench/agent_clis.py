@@ -50,7 +50,9 @@ FILE = "hello.txt"
 CONTENT = "written by the scripted model\n"  # in the prompt only once the agent has run the call
 ASK = f"Create the file {FILE}."
 TIMEOUT = 300.0  # seconds an agent's session may take (the scripted model answers at once)
+ENDLESS = "a"  # the never-ending model's every token
 TOO_LONG = re.compile(r"prompt is too long: (\d+) tokens")
+ANSWERED = re.compile(r"prompt=(\d+) cached=\d+ generated=(\d+)")
 PATCH = f"*** Begin Patch\n*** Add File: {FILE}\n+{CONTENT.rstrip()}\n*** End Patch\n"
 
 
@@ -157,17 +159,17 @@ class Recorder:
 
 
 @contextmanager
-def scripted_server(model, tokenizer, reply, model_id: str = "scripted", record: Optional[list] = None):
-    """The real server on a free loopback port, its engine replaced by `reply` (model_id: a name
-    `launch` cannot find a window for, so every agent is run with its own defaults); each POST's
+def scripted_server(model, tokenizer, engine, model_id: str = "scripted", record: Optional[list] = None):
+    """The real server on a free loopback port, its engine replaced by `engine` (a scripted
+    batch: tests/scripted_engine.py; model_id: a name `launch` cannot find a window for, so every
+    agent is run with its own defaults, or a model folder whose window it reads); each POST's
     path and body appended to `record` where one is given."""
     from live_server import live_server
-    from scripted_engine import scripted_batch
 
     from dflash_mlx.serve import worker
 
     original = worker.BatchGenerator
-    worker.BatchGenerator = scripted_batch(reply)
+    worker.BatchGenerator = engine
     try:
         wrap = None if record is None else partial(Recorder, kept=record)
         with live_server(model, tokenizer, model_id, wrap=wrap, prompt_cache_bytes=0) as served:
@@ -184,10 +186,18 @@ def run_session(
     timeout: float = TIMEOUT,
     arguments: Optional[list[str]] = None,
     record: Optional[list] = None,
+    endless: Optional[str] = None,
+    first_request: Optional[int] = None,
 ) -> dict:
     """One agent's scripted session through `dflash-mlx launch --port` (with `arguments` after
-    --, else agent_arguments'); what happened.  Its POST bodies are appended to `record` where one is given."""
+    --, else agent_arguments'); what happened.  Its POST bodies are appended to `record` where one
+    is given.  `endless`: the path of the served model's folder, whose window `launch` then reads,
+    and a model that never ends its answers instead of the tool script.  `first_request`: the
+    agent run without `launch` but told what `launch` would tell it were its first request that
+    many tokens (the served tokenizer's count, where launch's measured sizes are SmolLM2's)."""
     import logging
+
+    from scripted_engine import endless_batch, scripted_batch
 
     seen: list[dict] = []
     lines: list[str] = []
@@ -222,14 +232,20 @@ def run_session(
         }
         env.pop("DFLASH_MLX_API_KEY", None)
         (home / ".codex").mkdir()
-        reply = scripted_reply(agent, folder, tokenizer, seen)
+        if endless:
+            engine, model_id = endless_batch(ENDLESS), endless
+        else:
+            engine, model_id = scripted_batch(scripted_reply(agent, folder, tokenizer, seen)), "scripted"
         try:
-            with scripted_server(model, tokenizer, reply, record=record) as served:
-                command = [sys.executable, "-m", "dflash_mlx.cli", "launch", agent, "--port", str(served.port)]
+            with scripted_server(model, tokenizer, engine, model_id, record=record) as served:
+                launch = [sys.executable, "-m", "dflash_mlx.cli", "launch", agent, "--port", str(served.port), "--"]
+                if first_request is not None:
+                    launch, told = told_directly(bin_dir / agent, served, model_id, first_request)
+                    env.update(told)
                 started = time.monotonic()
                 try:
                     done = subprocess.run(
-                        [*command, "--", *(arguments or agent_arguments(agent))],
+                        [*launch, *(arguments or agent_arguments(agent))],
                         cwd=folder,
                         stdin=subprocess.DEVNULL,
                         env=env,
@@ -246,6 +262,7 @@ def run_session(
             access.setLevel(previous_level)
         written = (folder / FILE).read_text() if (folder / FILE).is_file() else None
     requests = [request_of(line) for line in lines if not line.startswith("refused ")]
+    answered = [tuple(map(int, m.groups())) for m in map(ANSWERED.search, lines) if m]
     refusals = [line for line in lines if line.startswith("refused ")]
     too_long = [int(m.group(1)) for m in map(TOO_LONG.search, refusals) if m]
     return {
@@ -260,10 +277,22 @@ def run_session(
         "refusals": refusals,
         "prompt_tokens": [s["prompt_tokens"] for s in seen],
         "requests": [r for r in requests if r],
+        "answered": answered,  # (prompt tokens, tokens generated) of each answer, in the order they ended
         "seconds": round(seconds, 1),
         "stdout": out[-1500:],
         "stderr": err[-1500:],
     }
+
+
+def told_directly(executable: Path, served, model_id: str, first_request: int) -> tuple[list[str], dict[str, str]]:
+    """The agent's command and environment as `launch` would make them for `served` with a
+    first request of `first_request` tokens."""
+    from dflash_mlx.serve.agents import AGENTS, Served, plan
+    from dflash_mlx.serve.launch import context_window
+
+    agent, window = AGENTS[executable.name], context_window(model_id, None)
+    args, env = agent.configure(Served(served.base, "none", model_id, window), plan(agent, window, first_request))
+    return [str(executable), *args], env
 
 
 def request_of(line: str) -> Optional[str]:

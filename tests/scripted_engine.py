@@ -5,28 +5,29 @@ import time
 from types import SimpleNamespace
 
 
+def responses(prompt: list[int], pieces: list[str], finish: str = "stop"):
+    """The engine's responses for `pieces`, one per step, the last ending at `finish`."""
+    for i, text in enumerate(pieces):
+        yield SimpleNamespace(
+            text=text,
+            tokens=[1000 + i],
+            finish_reason=finish if i == len(pieces) - 1 else None,
+            prompt_tokens=len(prompt),
+            generation_tokens=i + 1,
+            tau=1.0,
+            acceptance_histogram=[i + 1],
+            widths=[1] * (i + 1),
+            sources=["plain"] * (i + 1),
+            block_size=4,
+            generation_tps=1.0,
+            cached_tokens=0,
+            logprobs=None,
+            stop_sequence=None,
+        )
+
+
 def scripted_batch(reply):
     """A stand-in for api.BatchGenerator whose requests get `reply(prompt)`'s pieces."""
-
-    def responses(prompt):
-        pieces = reply(prompt)
-        for i, text in enumerate(pieces):
-            yield SimpleNamespace(
-                text=text,
-                tokens=[1000 + i],
-                finish_reason="stop" if i == len(pieces) - 1 else None,
-                prompt_tokens=len(prompt),
-                generation_tokens=i + 1,
-                tau=1.0,
-                acceptance_histogram=[i + 1],
-                widths=[1] * (i + 1),
-                sources=["plain"] * (i + 1),
-                block_size=4,
-                generation_tps=1.0,
-                cached_tokens=0,
-                logprobs=None,
-                stop_sequence=None,
-            )
 
     class ScriptedBatch:
         """Up to `max_batch` requests answered together, the others waiting (first come first
@@ -52,13 +53,16 @@ def scripted_batch(reply):
 
         def add(self, request):
             uid = next(self.uids)
-            self.queued[uid] = request.prompt
+            self.queued[uid] = request
             return uid
+
+        def answer(self, request):
+            return responses(request.prompt, reply(request.prompt))
 
         def next(self):
             while self.queued and len(self.running) < self.max_batch:
                 uid = next(iter(self.queued))
-                self.running[uid] = responses(self.queued.pop(uid))
+                self.running[uid] = self.answer(self.queued.pop(uid))
             out = [(uid, next(steps)) for uid, steps in self.running.items()]
             for uid, response in out:
                 self.last[uid] = response
@@ -85,6 +89,20 @@ def scripted_batch(reply):
             pass
 
     return ScriptedBatch
+
+
+def endless_batch(piece: str):
+    """A model that never ends its answer (a base model): `piece` per token until the request's
+    max_tokens, ending at its "length", or at the "context" where the server cut max_tokens to the
+    window."""
+    base = scripted_batch(lambda prompt: [])
+
+    class Endless(base):
+        def answer(self, request):
+            finish = "context" if request.ends_at_context else "length"
+            return responses(request.prompt, [piece] * request.max_tokens, finish)
+
+    return Endless
 
 
 def slow_batch(pieces: int, seconds_per_step: float):

@@ -7,7 +7,13 @@ it computes from the window; compacting helps only when the first request, a sum
 fit below that line, otherwise every compaction is followed by another (OpenCode's loop on an 8k
 window).  So where the window is that small, compaction is turned off and the session runs until
 the window is full, where the agent reports the server's `prompt is too long`.  Where the window
-cannot hold the first request and a reply at all, `fit` says which agent flags or models would."""
+cannot hold the first request and a reply at all, `fit` says which agent flags or models would.
+
+An answer cut at its reply budget is continued by the agent (Claude Code asks three times for
+the rest, then reports the cut and ends the turn): a model that never ends its answer (a base
+model) would otherwise carry the conversation past the window, where the agent's handling of the
+server's refusal (compaction that cannot fit, retries) never ends.  So the reply budget leaves
+room in the window for the answer and all its continuations."""
 
 import json
 from dataclasses import dataclass
@@ -19,6 +25,12 @@ UNKNOWN_CONTEXT_OUTPUT_TOKENS = 8_192  # a 64k window's budget; a fifth of Qwen3
 MIN_REPLY_TOKENS = 256  # a window leaving less after the first request cannot hold a session
 CLAUDE_COMPACT_MARGIN = 13_000  # Claude Code compacts at window - min(reply, 20,000) - 13,000 (read in its code)
 CLAUDE_REPLY_CAP = 20_000
+# Claude Code continues an answer cut at max_tokens (or at the window) three times with a
+# "Output token limit hit. Resume directly ..." message, then reports the cut and ends the turn
+# (read in its code, 2.1.197).  Its message (185 characters) and turn markers: 49 tokens with
+# Gemma 3's tokenizer, 179 with the tests' tiny one; kept at one token a character and more.
+CLAUDE_CONTINUATIONS = 3
+RESUME_TOKENS = 256
 # A request to a local model takes as long as its prefill and reply do (a 22k-token first request
 # is minutes on a small machine, a long reply more): Claude Code's own limits (API_TIMEOUT_MS, 10
 # minutes a request; CLAUDE_STREAM_IDLE_TIMEOUT_MS, 5 minutes without a byte, which the server
@@ -55,6 +67,7 @@ class Agent:
     lighter: tuple[tuple[str, int], ...]  # (agent flags, tokens of the first request with them), measured
     compaction_line: Callable[[int, int], int]  # (window, reply) -> the conversation size it compacts at
     configure: Callable[[Served, Plan], tuple[list[str], dict[str, str]]]  # its arguments and environment
+    continuations: int = 0  # times it asks for the rest of an answer cut at its budget, in one turn
 
     def first_request_with(self, agent_args: list[str]) -> Optional[int]:
         """The first request's size with the user's agent arguments, None when they change it in a
@@ -70,14 +83,17 @@ class Agent:
 def plan(agent: Agent, window: Optional[int], first_request: Optional[int]) -> Plan:
     """An eighth of the window for a reply (at most the agents' 32,000; agents keep it free when
     they decide to compact, so their defaults would leave a 40,960 window almost nothing), cut to
-    what the window leaves after the first request; compaction only where the first request, a
-    summary and a reply fit below the agent's compaction line."""
+    what the window leaves after the first request for an answer and the agent's continuations
+    of it; compaction only where the first request, a summary and a reply fit below the agent's
+    compaction line."""
     if window is None:
         return Plan(UNKNOWN_CONTEXT_OUTPUT_TOKENS, True)
     reply = max(1, min(MAX_OUTPUT_TOKENS, window // 8))
     if first_request is None:
         return Plan(reply, True)
-    reply = max(1, min(reply, window - first_request))
+    answers = 1 + agent.continuations
+    left = window - first_request - agent.continuations * RESUME_TOKENS
+    reply = max(1, min(reply, left // answers))
     return Plan(reply, first_request + 2 * reply <= agent.compaction_line(window, reply))
 
 
@@ -212,6 +228,7 @@ AGENTS = {
         (("--bare", 1_141), ("--tools Read,Write", 2_278)),
         claude_compaction_line,
         claude_code,
+        CLAUDE_CONTINUATIONS,
     ),
     "codex": Agent("codex", "Codex CLI", "npm install -g @openai/codex", 6_472, (), codex_compaction_line, codex),
     "opencode": Agent(
