@@ -2,6 +2,8 @@
 measured cost curve says they pay: through load() and generate(), the CLI and the server, each
 answer equal to plain greedy decoding's."""
 
+from collections import Counter
+
 import pytest
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
@@ -9,9 +11,11 @@ from typer.testing import CliRunner
 from dflash_mlx import generate, load, stream_generate
 from dflash_mlx.api import format_prompt
 from dflash_mlx.cli import app
+from dflash_mlx.decode.decoder import warm_up
 from dflash_mlx.decode.learning import kept
 from dflash_mlx.io.storage import CACHE_ENV
 from dflash_mlx.serve import make_app
+from tiny_models import Recording
 
 PROMPT = "the cat sat on the mat and the dog sat on the log"
 LOCAL = "http://127.0.0.1:8080"
@@ -50,6 +54,19 @@ def test_a_repeated_request_copies_its_earlier_answer(alone, plain):
     assert ["".join(r.text for r in responses) for responses in answers] == [reference, reference]
     last = answers[1][-1]
     assert last.adaptive and "suffix" in last.sources and last.tau > 1  # the first answer, accepted
+
+
+def test_a_warm_up_verifies_a_copy_and_keeps_nothing(tiny_dirs, cache):
+    """Without a drafter the copies are what verifies wide: a server's warm-up runs one (its
+    first copy cycle then pays no first calls), and keeps no answer, acceptance or step time."""
+    model, _ = load(str(tiny_dirs[0]), use_draft=False)
+    recording = Recording(model.target)
+    model.target = recording
+    warm_up(model)
+    verifies = Counter(recording.passes) - Counter(recording.prefills)
+    assert max(width for _, width in verifies) > 1, verifies
+    learnt = kept(model)
+    assert len(learnt.suffixes.tokens) == 0 and learnt.planner.steps == 0 and not learnt.planner.long_run
 
 
 def test_the_cli_decodes_with_copies_without_a_drafter(tiny_dirs, alone, plain):

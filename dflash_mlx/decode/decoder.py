@@ -33,9 +33,9 @@ from mlx_lm.generate import generation_stream, wired_limit
 
 from ..kernels.fused_ops import fusing
 from .idle import IdlePrefills
-from .learning import Learning, kept
+from .learning import Learning, kept, widest_verify
 from .model import DecodeStats, DFlashModel, Step
-from .plan import PLAIN, Plan, fixed_plan, step_passes
+from .plan import PLAIN, Plan, Planner, fixed_plan, step_passes
 from ..cache.prompt_cache import PromptCache
 from .phases import PHASES
 from .prefill import fill_chunk
@@ -43,6 +43,7 @@ from .prefix import PrefixPolicy
 from .rows import joined, settled, without
 from .verify import Pass, build, build_passes, settle
 from .request import Request, Row
+from .suffix import SuffixStore
 from ..sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -404,13 +405,21 @@ def decode(
 def warm_up(model: DFlashModel, max_batch: int = 1) -> None:
     """A short request decoded and dropped, drafting and then plain, on a decoder of the
     server's shape (no prompt cache; no answers, acceptance or step times kept), so that a fresh
-    server's first request does not pay for the first calls (kernels built, buffers allocated)."""
-    decoder = Decoder(model, max_batch=max_batch, learning=Learning())  # its own, learning nothing
+    server's first request does not pay for the first calls (kernels built, buffers allocated).
+    Without a drafter the copies are what verifies wide: the request is decoded twice, the second
+    time copying the first answer as the store of earlier answers proposes it (a planner over the
+    model's cost curve and a store of its own, both dropped after)."""
+    planner = kept(model).planner
+    copies = model.draft is None and planner is not None
+    learning = Learning(Planner(planner.cost, planner.max_width), SuffixStore()) if copies else Learning()
+    decoder = Decoder(model, max_batch=max_batch, learning=learning)
     prompt = [i % model.target.vocab_size for i in range(prefill_pass() + 16)]
-    widest = model.draft.block_size if model.draft is not None else 1
+    widest = widest_verify(model, learning)
+    # a verify of the drafter's whole block (plain without one; without a drafter, the same answer
+    # again, copied), then plain steps
+    runs = [(None, 1 + widest)] * (2 if copies else 1) + [(1, 3)]
     try:
-        # a verify of the drafter's whole block (plain without one), then plain steps
-        for block, tokens in ((None, 1 + widest), (1, 3)):
+        for block, tokens in runs:
             decoder.add(Request(prompt, tokens, SamplingParams(), block_size=block))
             while decoder.busy:
                 decoder.step()
