@@ -12,13 +12,15 @@ token over all runs (on a loaded machine a burst of other work then moves few of
 the lower quartile of them (the least disturbed); the decoders run interleaved (each repeat
 runs every decoder at every context once), all on the same weights and prompt.
 A random drafter's tokens are all rejected, so every cycle commits one token and the same
-positions are decoded by every decoder.  Then one cycle at block 16 broken into its phases
-(decode/phases.py: each phase's work evaluated before its timer stops) and the number of
-evaluations a cycle asks for.
+positions are decoded by every decoder.  Then one cycle at blocks 4 and 16 broken into its
+phases (decode/phases.py: each phase's work evaluated before its timer stops), the number of
+evaluations a cycle asks for, and the ops (graph nodes, `mx.export_to_dot`) of a cycle's two
+passes: each op is built in Python and scheduled, whatever its size.
 """
 
 import argparse
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -40,6 +42,7 @@ from dflash_mlx.decode.request import Request
 from dflash_mlx.drafters import DFlashDraftModel, DraftArgs
 from dflash_mlx.kernels.fused_ops import fuse
 from dflash_mlx.kernels.metal import chip_name
+from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
 
 VOCAB, HIDDEN, LAYERS, BLOCK = 512, 64, 6, 16
@@ -123,6 +126,29 @@ def breakdown(model: DFlashModel, prompt: mx.array, tokens: int, width: int) -> 
     return {k: 1e3 * v / cycles for k, v in phases.seconds.items()}, 1e3 * total / cycles, phases.evaluations / cycles
 
 
+def graph_ops(*arrays) -> int:
+    """Ops in the graph evaluating `arrays` would run (the rectangles of mx.export_to_dot)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "graph.dot"
+        mx.export_to_dot(str(path), *arrays)
+        return path.read_text().count("shape=rectangle")
+
+
+def pass_ops(model: DFlashModel, prompt: mx.array, width: int) -> tuple[int, int]:
+    """Ops of a cycle's drafter pass (as the loop runs it: one committed position's features
+    injected on the way) and of its target pass (logits and features), after `prompt`."""
+    cache, dcache = model.target.make_cache(), model.draft.make_cache()
+    _, features = model.target(prompt[None], cache, model.feature_layers)
+    model.draft.add_context(features[:, :-1], dcache)
+    mx.eval(features, [c.state for c in dcache])
+    block = mx.array([[0] + [model.draft.mask_token_id] * (width - 1)])
+    drafted = model.draft.propose_rows(block, [dcache], [SamplingParams()], [None], [features[:, -1:]])
+    draft_ops = graph_ops(drafted)
+    mx.eval(drafted)
+    cache.checkpoint()
+    return draft_ops, graph_ops(*model.target(block, cache, model.feature_layers))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="contexts 128 and 2k, 8 runs of 16 tokens")
@@ -187,6 +213,13 @@ def main():
             + " | ".join(f"{parts.get(k, 0.0):.2f}" for k in phases)
             + f" | {total:.2f} | {evaluations:.2f} |"
         )
+
+    print("\nOps a cycle builds (graph nodes), by pass\n")
+    print("| context | block | drafter pass | target pass |")
+    print("|---|---|---|---|")
+    for c in contexts:
+        for w in (4, BLOCK):
+            print(f"| {c:,} | {w} | " + " | ".join(str(n) for n in pass_ops(ours, prompts[c], w)) + " |")
 
 
 PHASE_ORDER = ("plan", "draft", "verify build", "evaluate", "accept", "roll back", "record")

@@ -211,7 +211,7 @@ class OracleDraft(DFlashDraftModel):
             return mx.concatenate(
                 [self(block[i : i + 1], [layer.rows[i] for layer in cache]) for i in range(block.shape[0])]
             )
-        start = cache[0].offset  # position of block[0]
+        start = cache[0].position  # position of block[0]
         L = block.shape[1]
         tokens = []
         for pos in range(start + 1, start + L):
@@ -240,7 +240,7 @@ class RowsOracleDraft(OracleDraft):
     def __call__(self, block, cache):
         if isinstance(cache[0], ContextRows):
             return super().__call__(block, cache)  # row by row, each back here
-        start, last = cache[0].offset, block[0, 0].item()
+        start, last = cache[0].position, block[0, 0].item()
         pick = next((i for i, r in enumerate(self.references) if start < len(r) and r[start] == last), 0)
         self.reference, self.wrong = self.references[pick], self.wrongs[pick]
         return super().__call__(block, cache)

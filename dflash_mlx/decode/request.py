@@ -36,11 +36,19 @@ class Context:
 
     def flush(self) -> list:
         """Inject what is pending; the drafter cache, ready to draft."""
-        if self.pending:
-            features = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=1)
+        features = self.take()
+        if features is not None:
             self.draft.add_context(features, self.cache)
-            self.pending = []
         return self.cache
+
+    def take(self) -> Optional[mx.array]:
+        """The pending features (1, S, n_layers * hidden), no longer pending (None: none): the
+        drafter's next pass injects them (propose_rows' `fresh`)."""
+        if not self.pending:
+            return None
+        features = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=1)
+        self.pending = []
+        return features
 
 
 # ---------------------------------------------------------------- a request, checked once

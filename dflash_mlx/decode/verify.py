@@ -154,7 +154,11 @@ def draft_rows(
     drafts alone."""
     blocks = mx.array([[last] + [model.draft.mask_token_id] * (width - 1) for last in lasts], dtype=mx.int32)
     return model.draft.propose_rows(
-        blocks, [c.flush() for c in contexts], params, [None if noise is None else noise[:-1] for noise in noises]
+        blocks,
+        [c.cache for c in contexts],
+        params,
+        [None if noise is None else noise[:-1] for noise in noises],
+        [c.take() for c in contexts],  # injected by the drafting pass itself
     )
 
 

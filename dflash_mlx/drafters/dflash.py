@@ -2,6 +2,7 @@
 keys/values are the injected target context followed by the block itself.
 
     ContextKV       the context's keys/values, appended as positions are committed
+    FreshContext    a ContextKV and the context vectors it takes in the pass that drafts next
     ContextRows     several rows' contexts, for one pass over all their blocks
     DraftAttention  attention over [context, block], bidirectional inside the block
     DraftLayer      attention + MLP, pre-norm residual
@@ -88,6 +89,30 @@ class ContextKV:
         )
 
 
+class FreshContext:
+    """A layer's ContextKV with the context vectors of the positions committed since its last
+    draft, appended by the pass that drafts next: their keys and values are projected with the
+    block's, in one projection, norm and RoPE a layer instead of two (the positions follow on:
+    the block starts right after them)."""
+
+    def __init__(self, cache: ContextKV, vectors: mx.array):
+        self.cache, self.vectors = cache, vectors
+
+    @property
+    def position(self) -> int:
+        return self.cache.offset + self.vectors.shape[1]
+
+    def keys_values(self, attn: "DraftAttention", x: mx.array) -> tuple[mx.array, mx.array]:
+        """The block's keys and values, the context vectors' appended to the cache on the way."""
+        n = self.vectors.shape[1]
+        keys, values = attn.keys_values(mx.concatenate([self.vectors, x], axis=1), self.cache.offset)
+        self.cache.append(keys[..., :n, :], values[..., :n, :])
+        return keys[..., n:, :], values[..., n:, :]
+
+    def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
+        return self.cache.attend(attn, queries, keys, values)
+
+
 class ContextRows:
     """One layer's contexts of several rows (a ContextKV each), for one drafter pass over
     all their blocks: the projections and MLPs read the weights once for every row, and
@@ -108,6 +133,13 @@ class ContextRows:
 def block_positions(rows: list[ContextKV], width: int) -> mx.array:
     """(rows, width): each row's block positions, right after its context."""
     return mx.array([[c.offset + i for i in range(width)] for c in rows])
+
+
+def per_position(layer, x: mx.array) -> mx.array:
+    """`layer` (an MLP, a Linear: position by position) over x (..., D) as one 2D array: a matmul
+    of a 3D input by a 2D weight flattens it and unflattens its output, two ops more per Linear,
+    each built and scheduled (an MLP's three Linears: two reshapes here instead of six)."""
+    return layer(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
 class DraftAttention(nn.Module):
@@ -146,8 +178,9 @@ class DraftAttention(nn.Module):
 
     def keys_values(self, x: mx.array, position) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
-        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        flat = x.reshape(B * L, -1)  # 2D, and one reshape for both projections (see `per_position`)
+        keys = self.k_norm(self.k_proj(flat).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        values = self.v_proj(flat).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self._rope(keys, position), values
 
     def add_context(self, context: mx.array, cache: "ContextKV"):
@@ -156,15 +189,17 @@ class DraftAttention(nn.Module):
     def __call__(self, x: mx.array, context) -> mx.array:
         """Block queries attend to the injected context and to the whole block.
 
-        `context` is a ContextKV (decoding) or a packed training context; both
-        give the block's position(s) and attend(attn, queries, keys, values)."""
+        `context` is a ContextKV, FreshContext or ContextRows (decoding) or a packed training
+        context; each gives the block's position(s) and attend(attn, queries, keys, values), a
+        FreshContext the block's keys_values(attn, x) too."""
         B, L, _ = x.shape
         position = context.position
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        queries = self.q_norm(self.q_proj(x.reshape(B * L, -1)).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         queries = self._rope(queries, position)
-        keys, values = self.keys_values(x, position)
+        project = getattr(context, "keys_values", None)
+        keys, values = project(self, x) if project is not None else self.keys_values(x, position)
         out = context.attend(self, queries, keys, values)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B * L, -1)).reshape(B, L, -1)
 
 
 class DraftLayer(nn.Module):
@@ -177,4 +212,4 @@ class DraftLayer(nn.Module):
 
     def __call__(self, x: mx.array, context) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), context)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + per_position(self.mlp, self.post_attention_layernorm(h))

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import DraftArgs
-from .dflash import DraftLayer
+from .dflash import DraftLayer, per_position
 
 
 def grouped_causal_conv(
@@ -66,7 +66,7 @@ class GroupedCausalConv(nn.Module):
 
     def prepare(self, x: mx.array, block_index: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
         """(x convolved with the first kernel, the second kernel's dynamic part for `finish`)."""
-        dynamic = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.kernel_size, -1)
+        dynamic = per_position(self.kernel_projection, x).reshape(*x.shape[:-1], 2, self.kernel_size, -1)
         first = _conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, block_index)
         return first, dynamic[..., 1, :, :]
 
@@ -177,4 +177,4 @@ class DFlash2Layer(DraftLayer):
         y, kernel = self.attention_conv.prepare(self.input_layernorm(x), index)
         h = x + self.attention_conv.finish(self.self_attn(y, context), kernel, index)
         y, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h), index)
-        return h + self.mlp_conv.finish(self.mlp(y), kernel, index)
+        return h + self.mlp_conv.finish(per_position(self.mlp, y), kernel, index)

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ..sampling import SamplingParams, choose
 from .config import CODEBOOKS, DraftArgs, check_pair
-from .dflash import ContextKV, ContextRows, DraftLayer, block_positions
+from .dflash import ContextKV, ContextRows, DraftLayer, FreshContext, block_positions
 from .dflash2 import CandidateSelector, DFlash2Layer
 from .vocab import DraftVocabulary
 
@@ -118,12 +118,22 @@ class DFlashDraftModel(nn.Module):
         caches: list[list[ContextKV]],
         params: list[SamplingParams],
         noises: list[Optional[mx.array]],
+        fresh: Optional[list[Optional[mx.array]]] = None,
     ) -> mx.array:
         """propose() for several rows' blocks (R, L) in one pass, each row with its own
-        context, sampling parameters and noise: what each would draft alone, (R, L-1)."""
-        if len(caches) == 1:
+        context, sampling parameters and noise: what each would draft alone, (R, L-1).
+        `fresh`: each row's target features not yet in its cache (1, S, n_layers * hidden; None:
+        none), injected by this pass (a row alone: in its layers' key and value projections)."""
+        fresh = fresh or [None] * len(caches)
+        if len(caches) == 1 and fresh[0] is not None:
+            vectors = self.context(fresh[0])
+            contexts = [FreshContext(cache, vectors) for cache in caches[0]]
+        elif len(caches) == 1:
             contexts = caches[0]
         else:
+            for features, cache in zip(fresh, caches):
+                if features is not None:
+                    self.add_context(features, cache)
             position = block_positions([cache[0] for cache in caches], blocks.shape[1])  # built once, for every layer
             contexts = [ContextRows(list(layer), blocks.shape[1], position) for layer in zip(*caches)]
         ids = self.vocab_ids
