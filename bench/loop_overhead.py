@@ -12,10 +12,12 @@ token over all runs (on a loaded machine a burst of other work then moves few of
 the lower quartile of them (the least disturbed); the decoders run interleaved (each repeat
 runs every decoder at every context once), all on the same weights and prompt.
 A random drafter's tokens are all rejected, so every cycle commits one token and the same
-positions are decoded by every decoder.  Then one cycle at blocks 4 and 16 broken into its
-phases (decode/phases.py: each phase's work evaluated before its timer stops), the number of
-evaluations a cycle asks for, and the ops (graph nodes, `mx.export_to_dot`) of a cycle's two
-passes: each op is built in Python and scheduled, whatever its size.
+positions are decoded by every decoder; every timed cycle runs at its full width (a request's
+last cycles are cut to the tokens left, so ours ask for a block more than is timed).  Then one
+cycle at blocks 4 and 16 broken into its phases (decode/phases.py: each phase's work evaluated
+before its timer stops), the number of evaluations a cycle asks for, and the ops (graph nodes,
+`mx.export_to_dot`) of a cycle's two passes: each op is built in Python and scheduled, whatever
+its size.
 """
 
 import argparse
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import time
 from datetime import date
+from itertools import islice
 from pathlib import Path
 from statistics import quantiles
 
@@ -36,7 +39,7 @@ from mlx_lm.models import qwen3
 
 from dflash_mlx.bench.harness import machine
 from dflash_mlx.decode.decoder import decode
-from dflash_mlx.decode.model import DecodeStats, DFlashModel
+from dflash_mlx.decode.model import DFlashModel
 from dflash_mlx.decode.phases import PHASES
 from dflash_mlx.decode.request import Request
 from dflash_mlx.drafters import DFlashDraftModel, DraftArgs
@@ -92,37 +95,46 @@ def tiny_drafter(target: Target) -> DFlashDraftModel:
     return fuse(draft.bind(target))  # as `load` runs it
 
 
-def intervals(steps) -> list[float]:
-    """Seconds between consecutive items of `steps` after its first (a step or a cycle each)."""
+def intervals(steps, count: int) -> list[float]:
+    """Seconds between consecutive items of `steps` after its first (a step or a cycle each),
+    `count` of them."""
     next(steps)
     times = [time.perf_counter()]
-    for _ in steps:
+    for _ in islice(steps, count):
         times.append(time.perf_counter())
     return [b - a for a, b in zip(times, times[1:])]
 
 
 def mlx_lm_step(model, prompt: mx.array, tokens: int) -> list[float]:
     """Seconds of each of mlx-lm's generate_step steps after its first token."""
-    return intervals(generate_step(prompt, model, max_tokens=tokens, prefill_step_size=512))
+    return intervals(generate_step(prompt, model, max_tokens=tokens, prefill_step_size=512), tokens)
+
+
+def full_width(model: DFlashModel, prompt: mx.array, tokens: int, width: int):
+    """A request's steps whose first `tokens` cycles all run at `width`: it asks for `width`
+    tokens more (a cycle is cut to the tokens left: the last ones of a request are narrower)."""
+    return decode(model, Request(prompt.tolist(), tokens + width, block_size=width))
 
 
 def our_cycle(model: DFlashModel, prompt: mx.array, tokens: int, width: int) -> list[float]:
     """Seconds of each of our cycles at a fixed width (1: plain steps) after the first token."""
-    return intervals(decode(model, Request(prompt.tolist(), tokens, block_size=width)))
+    steps = full_width(model, prompt, tokens, width)
+    try:
+        return intervals(steps, tokens)
+    finally:
+        steps.close()
 
 
 def breakdown(model: DFlashModel, prompt: mx.array, tokens: int, width: int) -> tuple[dict, float, int]:
     """Milliseconds per cycle in each phase, the cycle's total with the timers on, and the
     evaluations the loop asks for per cycle."""
-    stats = DecodeStats()
-    steps = decode(model, Request(prompt.tolist(), tokens, block_size=width), stats=stats)
+    steps = full_width(model, prompt, tokens, width)
     next(steps)
     with PHASES.timing() as phases:
         tic = time.perf_counter()
-        for _ in steps:
-            pass
+        cycles = sum(1 for _ in islice(steps, tokens))
         total = time.perf_counter() - tic
-    cycles = stats.cycles
+    steps.close()
     return {k: 1e3 * v / cycles for k, v in phases.seconds.items()}, 1e3 * total / cycles, phases.evaluations / cycles
 
 
@@ -146,6 +158,8 @@ def pass_ops(model: DFlashModel, prompt: mx.array, width: int) -> tuple[int, int
     draft_ops = graph_ops(drafted)
     mx.eval(drafted)
     cache.checkpoint()
+    mx.eval(model.target(block, cache, model.feature_layers))  # the caches grown as they are mid-decode
+    cache.rollback(1)
     return draft_ops, graph_ops(*model.target(block, cache, model.feature_layers))
 
 

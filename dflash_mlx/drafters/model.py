@@ -121,21 +121,10 @@ class DFlashDraftModel(nn.Module):
         fresh: Optional[list[Optional[mx.array]]] = None,
     ) -> mx.array:
         """propose() for several rows' blocks (R, L) in one pass, each row with its own
-        context, sampling parameters and noise: what each would draft alone, (R, L-1).
-        `fresh`: each row's target features not yet in its cache (1, S, n_layers * hidden; None:
-        none), injected by this pass (a row alone: in its layers' key and value projections)."""
-        fresh = fresh or [None] * len(caches)
-        if len(caches) == 1 and fresh[0] is not None:
-            vectors = self.context(fresh[0])
-            contexts = [FreshContext(cache, vectors) for cache in caches[0]]
-        elif len(caches) == 1:
-            contexts = caches[0]
-        else:
-            for features, cache in zip(fresh, caches):
-                if features is not None:
-                    self.add_context(features, cache)
-            position = block_positions([cache[0] for cache in caches], blocks.shape[1])  # built once, for every layer
-            contexts = [ContextRows(list(layer), blocks.shape[1], position) for layer in zip(*caches)]
+        context, sampling parameters and noise: what each would draft alone, (R, L-1), up to
+        the float rounding of new context (`fresh`: each row's target features not yet in its
+        cache, (1, S, n_layers * hidden) or None, injected by this pass)."""
+        contexts = self._contexts(blocks, caches, fresh or [None] * len(caches))
         ids = self.vocab_ids
         if self.args.dflash2:
             hidden = self.run_layers(blocks, contexts)[:, 1:]
@@ -159,6 +148,21 @@ class DFlashDraftModel(nn.Module):
                 ]
             )
         return choices if ids is None else ids[choices]
+
+    def _contexts(self, blocks: mx.array, caches: list[list[ContextKV]], fresh: list[Optional[mx.array]]) -> list:
+        """Each layer's attention context for a pass over `blocks`, the `fresh` features in:
+        a row alone projects them with its block (FreshContext); rows of a batch, whose new
+        positions differ in number, inject theirs first."""
+        if len(caches) == 1:
+            if fresh[0] is None:
+                return caches[0]
+            vectors = self.context(fresh[0])
+            return [FreshContext(cache, vectors) for cache in caches[0]]
+        for features, cache in zip(fresh, caches):
+            if features is not None:
+                self.add_context(features, cache)
+        position = block_positions([cache[0] for cache in caches], blocks.shape[1])  # built once, for every layer
+        return [ContextRows(list(layer), blocks.shape[1], position) for layer in zip(*caches)]
 
     def logits(self, hidden: mx.array) -> mx.array:
         logits = self._vocab.head(hidden)
