@@ -83,6 +83,9 @@ class ContextKV:
     def position(self) -> int:
         return self.offset  # the block starts right after the context
 
+    def keys_values(self, attn: "DraftAttention", x: mx.array) -> tuple[mx.array, mx.array]:
+        return attn.keys_values(x, self.offset)
+
     def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
         return block_attention(
             queries, keys, values, self.span(), scale=attn.scale, causal=attn.causal, window=attn.window
@@ -123,6 +126,9 @@ class ContextRows:
         contexts of a row hold as many entries: one array serves them all)."""
         self.rows = rows
         self.position = position if position is not None else block_positions(rows, width)
+
+    def keys_values(self, attn: "DraftAttention", x: mx.array) -> tuple[mx.array, mx.array]:
+        return attn.keys_values(x, self.position)
 
     def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
         return mx.concatenate(
@@ -190,14 +196,14 @@ class DraftAttention(nn.Module):
         """Block queries attend to the injected context and to the whole block.
 
         `context` is a ContextKV, FreshContext or ContextRows (decoding) or a packed training
-        context; each gives the block's position(s) and attend(attn, queries, keys, values), a
-        FreshContext the block's keys_values(attn, x) too."""
+        context; each gives the block's position(s), its keys and values (keys_values(attn, x):
+        a FreshContext projects its new context vectors with them) and attend(attn, queries,
+        keys, values)."""
         B, L, _ = x.shape
         position = context.position
         queries = self.q_norm(self.q_proj(x.reshape(B * L, -1)).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         queries = self._rope(queries, position)
-        project = getattr(context, "keys_values", None)
-        keys, values = project(self, x) if project is not None else self.keys_values(x, position)
+        keys, values = context.keys_values(self, x)
         out = context.attend(self, queries, keys, values)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B * L, -1)).reshape(B, L, -1)
 

@@ -45,6 +45,9 @@ class PackedContext:
         self._context = context  # (S, L, hidden)
         self._visible = batch.visible
 
+    def keys_values(self, attn, x):
+        return attn.keys_values(x, self.position)
+
     def attend(self, attn, queries, keys, values):
         groups = self._visible.shape[0]
 
