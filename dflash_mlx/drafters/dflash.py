@@ -78,7 +78,9 @@ class ContextKV:
         live = slice(span.start, span.start + span.length)
         return span.keys[..., live, :], span.values[..., live, :]
 
-    # the attention-context protocol DraftAttention calls
+    # the attention-context protocol DraftAttention and DFlash 2's convolutions call
+    block_index = None  # each position's index inside its block: decoding runs one block a row
+
     @property
     def position(self) -> int:
         return self.offset  # the block starts right after the context
@@ -97,6 +99,8 @@ class FreshContext:
     draft, appended by the pass that drafts next: their keys and values are projected with the
     block's, in one projection, norm and RoPE a layer instead of two (the positions follow on:
     the block starts right after them)."""
+
+    block_index = None
 
     def __init__(self, cache: ContextKV, vectors: mx.array):
         self.cache, self.vectors = cache, vectors
@@ -120,6 +124,8 @@ class ContextRows:
     """One layer's contexts of several rows (a ContextKV each), for one drafter pass over
     all their blocks: the projections and MLPs read the weights once for every row, and
     each row's block attends to its own context at its own positions."""
+
+    block_index = None
 
     def __init__(self, rows: list[ContextKV], width: int, position: Optional[mx.array] = None):
         """`position` (rows, width): the blocks' positions, when built already (every layer's

@@ -173,7 +173,7 @@ class DFlash2Layer(DraftLayer):
         self.mlp_conv = GroupedCausalConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
 
     def __call__(self, x: mx.array, context) -> mx.array:
-        index = getattr(context, "block_index", None)  # packed training blocks; decoding has one block
+        index = context.block_index  # packed training blocks; None: one block a row
         y, kernel = self.attention_conv.prepare(self.input_layernorm(x), index)
         h = x + self.attention_conv.finish(self.self_attn(y, context), kernel, index)
         y, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h), index)
