@@ -514,7 +514,8 @@ def test_step_times_learn_each_shape_and_guess_the_others():
     assert times.ratio(4, 1) == pytest.approx(1.3) and times.ratio(8, 1) == pytest.approx(1.3)
     assert times.ratio(2, 2) == pytest.approx(1.3)  # as many tokens as a run shape
     assert times.ratio(1, 2) == pytest.approx(1.3)  # below every run shape: the nearest
-    assert 1.3 < times.ratio(4, 4) < 2.5  # between two run shapes
+    assert times.ratio(4, 4) == pytest.approx(2.5)  # the verifies of its batch size, whatever their widths
+    assert 1.3 < times.ratio(3, 4) < 2.5  # a batch size with none: between two run shapes
     assert times.ratio(8, 8) == pytest.approx(2.5)  # past them: the nearest
     times.observe(2, 1, modelled=0.1, seconds=2.0)  # one stalled step
     assert times.ratio(2, 1) == pytest.approx(20.0)

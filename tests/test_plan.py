@@ -353,16 +353,16 @@ def test_shapes_read_back_are_trusted_for_a_while_only(tmp_path):
     process's first `trust_stored_for` steps unless it runs again; one that runs stays."""
     store = tmp_path / "steps.json"
     busy = StepTimes(store=store, basis=[1.0])
-    busy.observe(1, 8, modelled=0.1, seconds=0.5)  # width 8 at 5x the curve
-    busy.observe(1, 4, modelled=0.1, seconds=0.3)
+    busy.observe(1, 16, modelled=0.1, seconds=0.5)  # width 16 at 5x the curve
+    busy.observe(1, 1, modelled=0.1, seconds=0.3)
     busy.save()
     fresh = StepTimes.stored(store, basis=[1.0])
-    assert fresh.ratio(1, 8) == pytest.approx(5.0)
+    assert fresh.ratio(1, 16) == pytest.approx(5.0)
     for _ in range(fresh.trust_stored_for):
-        fresh.observe(1, 4, modelled=0.1, seconds=0.1)
-    assert fresh.ratio(1, 8) == pytest.approx(5.0)  # within the trusted steps
-    fresh.observe(1, 4, modelled=0.1, seconds=0.1)
-    assert fresh.ratio(1, 8) == pytest.approx(1.0) and len(fresh.ratios) == 1  # forgotten: judged by width 4
+        fresh.observe(1, 1, modelled=0.1, seconds=0.1)
+    assert fresh.ratio(1, 16) == pytest.approx(5.0)  # within the trusted steps
+    fresh.observe(1, 1, modelled=0.1, seconds=0.1)
+    assert fresh.ratio(1, 16) == pytest.approx(1.0) and len(fresh.ratios) == 1  # forgotten: judged by the plain step
 
 
 def test_a_long_agreement_is_copied_wide_from_its_first_try():
@@ -405,3 +405,16 @@ def test_rows_wanting_different_widths_are_verified_apart_only_where_a_pass_cost
     assert planner.passes(rows, apart=False) == [([0, 1, 2], whole)]
     planner, rows = rows_and_planner(CostModel([1, 16], [0.1, 0.1], 0.01))
     assert planner.passes(rows, apart=True) == [([0, 1, 2], planner.plan(rows))]
+
+
+def test_a_verify_timed_lucky_once_is_judged_with_its_neighbours():
+    """The planner picks the best of many widths: one width-3 verify timed at 0.8x the curve
+    (noise) must not make width 3 look cheap next to the width-2 verifies timed at the curve, nor
+    draft a prompt whose drafts are rejected 85% of the time."""
+    planner, row = planner_with([0.15] + [0.9] * 15, cpu_like())
+    assert best(planner, row) == PLAIN
+    for _ in range(7):
+        planner.step_times.observe(1, 2, modelled=1.0, seconds=1.0)
+    planner.step_times.observe(1, 3, modelled=1.0, seconds=0.8)
+    assert planner.step_times.ratio(1, 3) == pytest.approx(1.0)
+    assert best(planner, row) == PLAIN
