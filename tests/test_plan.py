@@ -32,6 +32,7 @@ class Row:
     params: SamplingParams = SamplingParams()
     estimates: dict = field(default_factory=dict)
     since_draft: int = 0
+    probe_gap: int = 64
     copy_widths: dict = field(default_factory=dict)
 
     def matches(self, limit: int) -> list[Match]:
@@ -101,9 +102,10 @@ def test_falls_back_to_plain_decoding_and_explores_now_and_then():
     for _ in range(64 * 3):
         plans.append(best(planner, row))
         planner.learn([row], plans[-1:], [0], planner.modelled([row], plans[-1:]))
-    # a drafter that does not pay is still tried at width 2: early in a generation, then
-    # once every 64 steps without it (the plain step is re-timed every 64 steps too)
-    assert [i + 1 for i, p in enumerate(plans) if p != PLAIN] == [8, 72, 136]
+    # a drafter that does not pay is still tried at width 2: early in a generation, then after
+    # twice as many steps each time (one probe is one draw), up to once every 64 steps (the
+    # plain step is re-timed every 64 steps too)
+    assert [i + 1 for i, p in enumerate(plans) if p != PLAIN] == [8, 24, 56, 120, 184]
     assert {p for p in plans if p != PLAIN} == {Plan(2, "dflash")}
     # a moderately good drafter on the same machine gets a middle width
     assert 2 < best(*planner_with([0.7] * 16, cpu_like())).width < 16
