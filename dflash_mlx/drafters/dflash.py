@@ -1,6 +1,7 @@
 """DFlash 1 drafter layers: Qwen3-style layers whose queries are the block and whose
 keys/values are the injected target context followed by the block itself.
 
+    AttentionContext  what DraftAttention and DFlash 2's convolutions ask of a context
     ContextKV       the context's keys/values, appended as positions are committed
     FreshContext    a ContextKV and the context vectors it takes in the pass that drafts next
     ContextRows     several rows' contexts, for one pass over all their blocks
@@ -19,7 +20,19 @@ from ..kernels.metal import ContextSpan, block_attention
 from .config import DraftArgs, DraftLoadError
 
 
-class ContextKV:
+class AttentionContext:
+    """What a drafter layer asks of its attention context: the block's position(s) (`position`:
+    an int for consecutive tokens, or an array, one per token), each position's index inside its
+    block (`block_index`, for DFlash 2's convolutions; None: one block a row), the block's keys and
+    values, and attend(attn, queries, keys, values)."""
+
+    block_index = None
+
+    def keys_values(self, attn: "DraftAttention", x: mx.array) -> tuple[mx.array, mx.array]:
+        return attn.keys_values(x, self.position)
+
+
+class ContextKV(AttentionContext):
     """Keys/values of the injected context, in temporal order, preallocated in
     steps so appending a few positions per cycle does not copy the whole
     context.  With a window, entries older than the window are dropped when
@@ -78,15 +91,9 @@ class ContextKV:
         live = slice(span.start, span.start + span.length)
         return span.keys[..., live, :], span.values[..., live, :]
 
-    # the attention-context protocol DraftAttention and DFlash 2's convolutions call
-    block_index = None  # each position's index inside its block: decoding runs one block a row
-
     @property
     def position(self) -> int:
         return self.offset  # the block starts right after the context
-
-    def keys_values(self, attn: "DraftAttention", x: mx.array) -> tuple[mx.array, mx.array]:
-        return attn.keys_values(x, self.offset)
 
     def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
         return block_attention(
@@ -94,13 +101,11 @@ class ContextKV:
         )
 
 
-class FreshContext:
+class FreshContext(AttentionContext):
     """A layer's ContextKV with the context vectors of the positions committed since its last
     draft, appended by the pass that drafts next: their keys and values are projected with the
     block's, in one projection, norm and RoPE a layer instead of two (the positions follow on:
     the block starts right after them)."""
-
-    block_index = None
 
     def __init__(self, cache: ContextKV, vectors: mx.array):
         self.cache, self.vectors = cache, vectors
@@ -120,21 +125,16 @@ class FreshContext:
         return self.cache.attend(attn, queries, keys, values)
 
 
-class ContextRows:
+class ContextRows(AttentionContext):
     """One layer's contexts of several rows (a ContextKV each), for one drafter pass over
     all their blocks: the projections and MLPs read the weights once for every row, and
     each row's block attends to its own context at its own positions."""
-
-    block_index = None
 
     def __init__(self, rows: list[ContextKV], width: int, position: Optional[mx.array] = None):
         """`position` (rows, width): the blocks' positions, when built already (every layer's
         contexts of a row hold as many entries: one array serves them all)."""
         self.rows = rows
         self.position = position if position is not None else block_positions(rows, width)
-
-    def keys_values(self, attn: "DraftAttention", x: mx.array) -> tuple[mx.array, mx.array]:
-        return attn.keys_values(x, self.position)
 
     def attend(self, attn: "DraftAttention", queries, keys, values) -> mx.array:
         return mx.concatenate(
@@ -201,10 +201,9 @@ class DraftAttention(nn.Module):
     def __call__(self, x: mx.array, context) -> mx.array:
         """Block queries attend to the injected context and to the whole block.
 
-        `context` is a ContextKV, FreshContext or ContextRows (decoding) or a packed training
-        context; each gives the block's position(s), its keys and values (keys_values(attn, x):
-        a FreshContext projects its new context vectors with them) and attend(attn, queries,
-        keys, values)."""
+        `context` is an AttentionContext: a ContextKV, FreshContext or ContextRows (decoding)
+        or a packed training context (a FreshContext projects its new context vectors with the
+        block's keys and values)."""
         B, L, _ = x.shape
         position = context.position
         queries = self.q_norm(self.q_proj(x.reshape(B * L, -1)).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)

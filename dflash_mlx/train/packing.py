@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..drafters.dflash import AttentionContext
+
 
 @dataclass
 class PackedBatch:
@@ -35,8 +37,8 @@ class PackedBatch:
         return self.visible.shape[0]
 
 
-class PackedContext:
-    """The attention-context protocol of DraftAttention, for packed training blocks:
+class PackedContext(AttentionContext):
+    """The drafter's attention context for packed training blocks:
     each sequence's blocks attend to that sequence's context, in one batched call."""
 
     def __init__(self, batch: PackedBatch, context: mx.array):
@@ -44,9 +46,6 @@ class PackedContext:
         self.block_index = batch.block_index  # DFlash 2's convolutions stay inside each block
         self._context = context  # (S, L, hidden)
         self._visible = batch.visible
-
-    def keys_values(self, attn, x):
-        return attn.keys_values(x, self.position)
 
     def attend(self, attn, queries, keys, values):
         groups = self._visible.shape[0]
