@@ -222,6 +222,7 @@ class StepTimes:
         self.seen: dict[tuple[int, int, int], deque] = {}  # (rows, width, span) -> its last `window` ratios
         self.ratios: dict[tuple[int, int, int], float] = {}
         self.seen_at: dict[tuple[int, int, int], int] = {}  # (rows, width, span) -> the step it last ran at
+        self._verify_ratios: dict[tuple[int, int], Optional[float]] = {}  # (rows, span) -> pooled, until a step
         self.steps = 0
         self.store, self.basis, self.save_every = store, list(basis), save_every
         self._unsaved = 0
@@ -273,9 +274,9 @@ class StepTimes:
         return median_low(seen)
 
     def ratio(self, rows: int, width: int, span: int = SHORTEST_SPAN) -> float:
-        verifies = self._verifies(rows, span) if width > 1 else []
-        if verifies:
-            return median_low(verifies)
+        pooled = self._verify_ratio(rows, span) if width > 1 else None
+        if pooled is not None:
+            return pooled
         ratios = {(r, w): ratio for (r, w, s), ratio in self.ratios.items() if s == span}
         if (rows, width) in ratios:
             return ratios[rows, width]
@@ -298,9 +299,15 @@ class StepTimes:
         t = math.log(tokens / below[0]) / math.log(above[0] / below[0])
         return below[2] + t * (above[2] - below[2])
 
-    def _verifies(self, rows: int, span: int) -> list[float]:
-        """The last ratios of every verify run over `rows` rows in the context class `span`."""
-        return [ratio for (r, w, s), seen in self.seen.items() if (r, s) == (rows, span) and w > 1 for ratio in seen]
+    def _verify_ratio(self, rows: int, span: int) -> Optional[float]:
+        """The lower median of the last ratios of every verify run over `rows` rows in the context
+        class `span` (None: none run), worked out once per step: the planner asks for every width."""
+        if (rows, span) not in self._verify_ratios:
+            seen = [
+                ratio for (r, w, s), last in self.seen.items() if (r, s) == (rows, span) and w > 1 for ratio in last
+            ]
+            self._verify_ratios[rows, span] = median_low(seen) if seen else None
+        return self._verify_ratios[rows, span]
 
     def seconds(self, rows: int, width: int, modelled: float, span: int = SHORTEST_SPAN) -> float:
         return modelled * self.ratio(rows, width, span)
@@ -310,6 +317,7 @@ class StepTimes:
         seen = self.seen.setdefault(shape, deque(maxlen=self.window))
         seen.append(max(seconds / modelled, 0.05))  # an injected clock may see a step as free
         self.ratios[shape] = self._typical(seen, width)
+        self._verify_ratios.clear()
         self.steps += 1
         self.seen_at[shape] = self.steps
         # a shape judged dear is not run again, so never corrected: after a while it is forgotten,
