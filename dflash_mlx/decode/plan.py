@@ -167,6 +167,12 @@ class Row(Protocol):
     def forced(self, limit: int) -> list[int]: ...
 
 
+def gap_reached(row: Row, halfway: bool = False) -> bool:
+    """Whether this step, the row's (since_draft + 1)-th without drafting, reaches its probe gap
+    (or half of it)."""
+    return (2 if halfway else 1) * (row.since_draft + 1) >= row.probe_gap
+
+
 @dataclass
 class Planner:
     """Chooses every step's plans (`plan`) and learns from what the steps did (`learn`)."""
@@ -318,12 +324,12 @@ class Planner:
         """Rows whose drafter has not run for their `probe_gap` steps draft at width 2 (with
         them, every row halfway there: probes of one batch share a step)."""
 
-        def due(row, left, plan, half=1):  # this step would be the gap's (or half of it)
-            return row.adaptive and plan == PLAIN and left >= 2 and half * (row.since_draft + 1) >= row.probe_gap
+        def due(row, left, plan, halfway=False):
+            return row.adaptive and plan == PLAIN and left >= 2 and gap_reached(row, halfway)
 
         if not drafter or not any(due(*args) for args in zip(rows, lefts, plans)):
             return plans
-        return [Plan(2, "dflash") if due(*args, half=2) else args[2] for args in zip(rows, lefts, plans)]
+        return [Plan(2, "dflash") if due(*args, halfway=True) else args[2] for args in zip(rows, lefts, plans)]
 
     def modelled(self, rows: list[Row], plans: list[Plan]) -> float:
         """One step's time by the cost curve: a target pass over every row at the widest plan's
@@ -353,7 +359,7 @@ class Planner:
         """A step just run: each adaptive row's acceptance (where it proposed), and its time."""
         for row, plan, n in zip(rows, plans, accepted):
             if plan.source == "dflash":
-                if 2 * (row.since_draft + 1) >= row.probe_gap:  # tried again after a stretch without it
+                if gap_reached(row, halfway=True):  # tried again after a stretch without it
                     row.probe_gap = min(self.explore_every, 2 * row.probe_gap)
                 row.since_draft = 0
             else:
