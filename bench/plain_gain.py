@@ -9,9 +9,12 @@ others are ordinary), wrapped in the chat template unless `--raw` (a base model 
     nice -n 5 python bench/plain_gain.py --model gemma-3-270m --sets copy,humaneval,chat --prompts 4 --raw
 
 Each prompt is decoded greedily by ours at width 1 (plain) and by ours in its default mode
-(adaptive widths; copies from earlier answers off, each prompt a first request), the order
-alternating from prompt to prompt, each timed from its first token; every output is checked
-equal to the plain one.  Prints the per-prompt speeds, the median gain and the lowest, per set.
+(adaptive widths; copies from earlier answers off, each prompt a first request), the two taking
+turns of 8 tokens (dflash_mlx/bench/turns.py: each timed by its own clock, stopped during the
+other's turns, from its first token on; which starts alternates from prompt to prompt), so a
+slower stretch of the machine falls on both; every output is checked equal to the plain one.
+Prints the per-prompt speeds, the median gain and the lowest, per set.  `--plain-twice` runs
+plain against plain the same way: the spread of a ratio that is 1, this machine's noise.
 
 With a drafter, then the cost curve (decode/costs.py: target passes of each width on a 256-token
 cache and the drafter's pass, each timed alone, round-robin) and, per prompt, the verify-bound
@@ -23,7 +26,7 @@ host work (and what the curve does not model) leaves.
 
 import argparse
 import sys
-import time
+from copy import deepcopy
 from datetime import date
 from pathlib import Path
 from statistics import median
@@ -35,27 +38,15 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 from dflash_mlx.api import format_prompt, load
 from dflash_mlx.bench.harness import machine
 from dflash_mlx.bench.prompt_sets import load_prompts
+from dflash_mlx.bench.turns import Turns, decode_in_turns
 from dflash_mlx.decode.costs import CostModel, measure_costs
-from dflash_mlx.decode.decoder import decode
-from dflash_mlx.decode.learning import without_answers
+from dflash_mlx.decode.learning import Learning, keep, kept, without_answers
 from dflash_mlx.decode.model import DecodeStats
-from dflash_mlx.decode.request import Request
 from dflash_mlx.kernels.metal import chip_name
 from dflash_mlx.train.data import read_data
 
 HELD_OUT = Path(__file__).parents[1] / "data" / "smollm2-135m"
 COPIES = ("lookup", "suffix")
-
-
-def timed(model, prompt: list[int], max_tokens: int, block_size) -> tuple[list[int], float, DecodeStats]:
-    """(tokens, tok/s after the first token, statistics)."""
-    stats, tokens = DecodeStats(), []
-    steps = decode(model, Request(prompt, max_tokens, block_size=block_size), stats=stats)
-    tokens += next(steps).tokens
-    tic, first = time.perf_counter(), len(tokens)
-    for step in steps:
-        tokens += step.tokens
-    return tokens, (len(tokens) - first) / (time.perf_counter() - tic), stats
 
 
 def verify_bound(cost: CostModel, stats: DecodeStats) -> float:
@@ -88,34 +79,50 @@ def main():
     parser.add_argument("--prompts", type=int, default=8, help="prompts (of each set)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--raw", action="store_true", help="the sets' prompts without the chat template")
+    parser.add_argument("--plain-twice", action="store_true", help="plain against plain: the machine's noise")
+    parser.add_argument("--repeats", type=int, default=1, help="per prompt, the median gain of this many")
     args = parser.parse_args()
     model, tokenizer = load(args.model)
     model = without_answers(model)  # each prompt as a first request
     prompts = prompts_of(args, tokenizer)
-    for block_size in (1, None):
-        timed(model, prompts[0][1][:64], 8, block_size)  # the first calls' set-up outside the timing
-    ours = "DFlash" if model.draft is not None else "copies"
+    ours_block = 1 if args.plain_twice else None
+    decode_in_turns(model, prompts[0][1][:64], 8, (1, None))  # the first calls' set-up outside the timing
+    ours = "plain again" if args.plain_twice else "DFlash" if model.draft is not None else "copies"
     print(f"{machine()}, {chip_name()}, {date.today()}; `{' '.join(['python', *sys.argv])}`\n")
     print(f"| set | prompt | plain tok/s | {ours} tok/s | gain | tau | copy cycles | same output |")
     print("|---|---|---|---|---|---|---|---|")
     gains: dict[str, list[float]] = {}
     measured = []  # (gain, statistics) of each prompt
     for i, (name, prompt) in enumerate(prompts):
-        order = (1, None) if i % 2 == 0 else (None, 1)
-        runs = {block_size: timed(model, prompt, args.max_tokens, block_size) for block_size in order}
-        (plain, plain_tps, _), (tokens, ours_tps, stats) = runs[1], runs[None]
-        gains.setdefault(name, []).append(ours_tps / plain_tps)
-        measured.append((ours_tps / plain_tps, stats))
+        plain, mine = measure(model, prompt, args.max_tokens, ours_block, args.repeats, first=i % 2)
+        gain, stats = mine.tokens_per_second / plain.tokens_per_second, mine.stats
+        gains.setdefault(name, []).append(gain)
+        measured.append((gain, stats))
         copies = sum(source in COPIES for source in stats.sources)
         print(
-            f"| {name} | {i} | {plain_tps:.1f} | {ours_tps:.1f} | {gains[name][-1]:.2f}x | {stats.tau:.2f} | "
-            f"{copies} of {stats.cycles} | {tokens == plain} |"
+            f"| {name} | {i} | {plain.tokens_per_second:.1f} | {mine.tokens_per_second:.1f} | {gain:.2f}x | "
+            f"{stats.tau:.2f} | {copies} of {stats.cycles} | {mine.tokens == plain.tokens} |"
         )
     print()
     for name, values in [*gains.items(), ("all", [g for values in gains.values() for g in values])]:
         print(f"{name}: median gain {median(values):.2f}x, lowest {min(values):.2f}x over {len(values)} prompts")
-    if model.draft is not None:
+    if model.draft is not None and not args.plain_twice:
         print_verify_bound(model, measured)
+
+
+def measure(model, prompt: list[int], max_tokens: int, ours_block, repeats: int, first: int) -> tuple[Turns, Turns]:
+    """Plain's and ours' decodings of `prompt` in turns, `repeats` times, each time from the
+    planner the earlier prompts left (what a repeat learns is not carried into the next): the
+    pair whose gain is the median (the last repeat's learning carries on to the next prompt)."""
+    learnt = deepcopy(kept(model).planner)
+    pairs = []
+    for repeat in range(repeats):
+        if repeat:
+            keep(model, Learning(deepcopy(learnt)))
+        pairs.append(decode_in_turns(model, prompt, max_tokens, (1, ours_block), first=(first + repeat) % 2))
+    if any(mine.tokens != plain.tokens for plain, mine in pairs):
+        return next((plain, mine) for plain, mine in pairs if mine.tokens != plain.tokens)  # shown as not the same
+    return sorted(pairs, key=lambda pair: pair[1].tokens_per_second / pair[0].tokens_per_second)[(repeats - 1) // 2]
 
 
 def print_verify_bound(model, measured: list) -> None:

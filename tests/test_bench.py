@@ -64,3 +64,42 @@ def test_held_out_taus_count_tokens_from_a_restart(tmp_path):
     assert held_out_taus(log, tokens_before=1000) == [(1200, 1.5)]
     png = tau_curves({"a": [(0, 1.0), (1200, 1.5)]}, tmp_path / "curve.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_turn_clock_leaves_out_the_time_it_was_stopped():
+    import time
+
+    from dflash_mlx.bench.turns import TurnClock
+
+    clock = TurnClock()
+    time.sleep(0.05)  # it starts stopped
+    start = clock()
+    clock.start()
+    time.sleep(0.05)
+    clock.stop()
+    time.sleep(0.2)
+    assert clock() - start < 0.1  # stopped: reads the same
+    clock.start()
+    time.sleep(0.05)
+    assert 0.1 <= clock() - start < 0.2
+
+
+def test_decodings_in_turns_give_plain_greedys_tokens_each_timed_by_its_own_clock(tmp_path, monkeypatch):
+    import time
+
+    from dflash_mlx.bench.turns import decode_in_turns
+    from dflash_mlx.decode.decoder import decode
+    from dflash_mlx.decode.request import Request
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    target_dir, drafter_dir = tiny_pair(tmp_path)
+    model, _ = load(str(target_dir), str(drafter_dir))
+    prompt = list(range(3, 40))
+    plain = [token for step in decode(model, Request(prompt, 24, block_size=1)) for token in step.tokens]
+    tic = time.perf_counter()
+    sides = decode_in_turns(model, prompt, 24, (1, None, 1), turn=4, first=1)
+    wall = time.perf_counter() - tic
+    assert [side.tokens for side in sides] == [plain] * 3
+    assert all(side.finished and side.last_turn >= 2 for side in sides)  # each had turns after its first token
+    assert sum(side.last_at - side.first_at for side in sides) <= wall  # no second counted on two clocks
+    assert all(side.tokens_per_second > 0 for side in sides)

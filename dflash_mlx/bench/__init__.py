@@ -1,2 +1,3 @@
 """Benchmarking: the interleaved plain-vs-DFlash harness (`harness.py`, `dflash-mlx bench`),
-the offline benchmark prompt sets (`prompt_sets.py`) and plots (`plots.py`)."""
+the offline benchmark prompt sets (`prompt_sets.py`), plots (`plots.py`) and decodings
+timed in turns (`turns.py`)."""
