@@ -27,6 +27,7 @@ host work (and what the curve does not model) leaves.
 import argparse
 import sys
 from copy import deepcopy
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from statistics import median
@@ -86,7 +87,8 @@ def main():
     model = without_answers(model)  # each prompt as a first request
     prompts = prompts_of(args, tokenizer)
     ours_block = 1 if args.plain_twice else None
-    decode_in_turns(model, prompts[0][1][:64], 8, (1, None))  # the first calls' set-up outside the timing
+    plain_model = learning_apart(model)
+    decode_in_turns([(plain_model, 1), (model, None)], prompts[0][1][:64], 8)  # first calls' set-up, not timed
     ours = "plain again" if args.plain_twice else "DFlash" if model.draft is not None else "copies"
     print(f"{machine()}, {chip_name()}, {date.today()}; `{' '.join(['python', *sys.argv])}`\n")
     print(f"| set | prompt | plain tok/s | {ours} tok/s | gain | tau | copy cycles | same output |")
@@ -94,7 +96,7 @@ def main():
     gains: dict[str, list[float]] = {}
     measured = []  # (gain, statistics) of each prompt
     for i, (name, prompt) in enumerate(prompts):
-        plain, mine = measure(model, prompt, args.max_tokens, ours_block, args.repeats, first=i % 2)
+        plain, mine = measure((plain_model, model), prompt, args.max_tokens, ours_block, args.repeats, first=i % 2)
         gain, stats = mine.tokens_per_second / plain.tokens_per_second, mine.stats
         gains.setdefault(name, []).append(gain)
         measured.append((gain, stats))
@@ -110,16 +112,27 @@ def main():
         print_verify_bound(model, measured)
 
 
-def measure(model, prompt: list[int], max_tokens: int, ours_block, repeats: int, first: int) -> tuple[Turns, Turns]:
-    """Plain's and ours' decodings of `prompt` in turns, `repeats` times, each time from the
-    planner the earlier prompts left (what a repeat learns is not carried into the next): the
-    pair whose gain is the median (the last repeat's learning carries on to the next prompt)."""
+def learning_apart(model):
+    """`model` again, with a planner of its own: plain decoding's steps, timed beside ours, are
+    not what ours learns its step times from (a user's plain steps would be its own)."""
+    apart = replace(model)
+    keep(apart, Learning(deepcopy(kept(model).planner)))
+    return apart
+
+
+def measure(models, prompt: list[int], max_tokens: int, ours_block, repeats: int, first: int) -> tuple[Turns, Turns]:
+    """Plain's and ours' decodings of `prompt` (by `models`' first and second) in turns,
+    `repeats` times, each time from the planner the earlier prompts left (what a repeat learns
+    is not carried into the next): the pair whose gain is the median (the last repeat's learning
+    carries on to the next prompt)."""
+    plain_model, model = models
     learnt = deepcopy(kept(model).planner)
     pairs = []
     for repeat in range(repeats):
         if repeat:
             keep(model, Learning(deepcopy(learnt)))
-        pairs.append(decode_in_turns(model, prompt, max_tokens, (1, ours_block), first=(first + repeat) % 2))
+        decodings = [(plain_model, 1), (model, ours_block)]
+        pairs.append(decode_in_turns(decodings, prompt, max_tokens, first=(first + repeat) % 2))
     if any(mine.tokens != plain.tokens for plain, mine in pairs):
         return next((plain, mine) for plain, mine in pairs if mine.tokens != plain.tokens)  # shown as not the same
     return sorted(pairs, key=lambda pair: pair[1].tokens_per_second / pair[0].tokens_per_second)[(repeats - 1) // 2]

@@ -97,7 +97,7 @@ def test_decodings_in_turns_give_plain_greedys_tokens_each_timed_by_its_own_cloc
     prompt = list(range(3, 40))
     plain = [token for step in decode(model, Request(prompt, 24, block_size=1)) for token in step.tokens]
     tic = time.perf_counter()
-    sides = decode_in_turns(model, prompt, 24, (1, None, 1), turn=4, first=1)
+    sides = decode_in_turns([(model, 1), (model, None), (model, 1)], prompt, 24, turn=4, first=1)
     wall = time.perf_counter() - tic
     assert [side.tokens for side in sides] == [plain] * 3
     assert all(side.finished and side.last_turn >= 2 for side in sides)  # each had turns after its first token

@@ -73,14 +73,18 @@ class Turns:
 
 
 def decode_in_turns(
-    model: DFlashModel, prompt: list[int], max_tokens: int, block_sizes: tuple, turn: int = 8, first: int = 0
+    decodings: list[tuple[DFlashModel, Optional[int]]],
+    prompt: list[int],
+    max_tokens: int,
+    turn: int = 8,
+    first: int = 0,
 ) -> list[Turns]:
-    """A greedy decoding of `prompt` for each of `block_sizes` (as a Request takes it: 1 plain,
-    None the adaptive default), returned in that order.  Each decodes its first token, from
-    `block_sizes[first]` on round the list; then they take turns of `turn` tokens, the one with
-    the fewest tokens out next (of those, the one that waited longest)."""
+    """A greedy decoding of `prompt` for each (model, block size as a Request takes it: 1 plain,
+    None the adaptive default) of `decodings`, returned in that order.  Each decodes its first
+    token, from `decodings[first]` on round the list; then they take turns of `turn` tokens, the
+    one with the fewest tokens out next (of those, the one that waited longest)."""
     sides = []
-    for block_size in block_sizes:
+    for model, block_size in decodings:
         clock, stats = TurnClock(), DecodeStats()
         request = Request(prompt, max_tokens, block_size=block_size)
         sides.append(Turns(decode(model, request, clock=clock, stats=stats), clock, stats))
