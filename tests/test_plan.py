@@ -2,6 +2,7 @@
 from the cost curve (costs.py), the steps' measured times and acceptance estimates, falls
 back to plain decoding when proposing cannot pay, and keeps decoding lossless."""
 
+import copy
 import random
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class Row:
     left: int = 1000
     context_length: int = 100
     lookup: Match = NO_MATCH
+    suffix: Match = NO_MATCH  # the session-wide store's proposal
     adaptive: bool = True
     block: int = 16
     params: SamplingParams = SamplingParams()
@@ -36,7 +38,10 @@ class Row:
     copy_widths: dict = field(default_factory=dict)
 
     def matches(self, limit: int) -> list[Match]:
-        return [Match(self.lookup.tokens[:limit], self.lookup.length, self.lookup.source)] if self.lookup else []
+        return [Match(m.tokens[:limit], m.length, m.source) for m in (self.lookup, self.suffix) if m]
+
+    def forced(self, limit: int) -> list[int]:
+        return []
 
 
 def planner_with(rates, cost, max_width=16, kind="dflash", **kwargs) -> tuple[Planner, Row]:
@@ -420,3 +425,119 @@ def test_a_verify_timed_lucky_once_is_judged_with_its_neighbours():
     planner.step_times.observe(1, 3, modelled=1.0, seconds=0.8)
     assert planner.step_times.ratio(1, 3) == pytest.approx(1.0)
     assert best(planner, row) == PLAIN
+
+
+class BruteForce(Planner):
+    """The planner with its search written as the formula in plan.py's docstring, nothing worked
+    out once: every width tried, each adaptive row's candidates built afresh at it and the likeliest
+    accepted kept, the step judged by its expected committed tokens over its seconds."""
+
+    def _best(self, rows, lefts, fixed, matches, drafter, expected, least=1):
+        best, best_value = fixed, -1.0
+        for width in range(least, self.max_width + 1):
+            plans = [
+                self.likeliest(row, min(width, left, row.block), match, drafter) if row.adaptive else plan
+                for row, left, plan, match in zip(rows, lefts, fixed, matches)
+            ]
+            value = sum(self.committed(row, plan) for row, plan in zip(rows, plans)) / self.seconds(rows, plans)
+            if value > best_value:
+                best, best_value = plans, value
+        return best, best_value
+
+    def likeliest(self, row, limit, matches, drafter) -> Plan:
+        if limit < 2:
+            return PLAIN
+        candidates = [Plan(limit, "dflash")] if drafter else []
+        for match in filter(None, matches):
+            longest = min(len(match.tokens) + 1, limit, row.copy_widths.get(f"{match.source}{match.length}", limit))
+            candidates.append(Plan(longest, match.source, match.tokens[: longest - 1], match.length))
+        return max(candidates, key=lambda plan: self.committed(row, plan), default=PLAIN)
+
+    def committed(self, row, plan: Plan) -> float:
+        return 1.0 if plan.width == 1 else self.estimate(row, plan.kind).expected_committed()[plan.width]
+
+
+def random_copy(rng: random.Random, source: str) -> Match:
+    if rng.random() < 0.4:
+        return NO_MATCH
+    return Match(tuple(rng.randrange(100) for _ in range(rng.randint(1, 24))), rng.choice((1, 2, 3, 4, 8, 16)), source)
+
+
+def random_row(rng: random.Random) -> Row:
+    return Row(
+        left=rng.randint(1, 300),
+        context_length=rng.randint(50, 3000),
+        lookup=random_copy(rng, "lookup"),
+        suffix=random_copy(rng, "suffix"),
+        adaptive=rng.random() < 0.9,
+        block=rng.choice((16, 16, 4, 1)),
+        params=rng.choice((SamplingParams(), SamplingParams(), SamplingParams(temp=0.7, top_p=0.9))),
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_decision_is_the_brute_force_searchs(seed):
+    """Over random steps (batches of 1-8 rows, with and without a drafter, passes apart or not,
+    random acceptances, copies and step times), every plan and every split into passes is the one
+    a search of every width with nothing worked out once makes: what the planner shares between
+    widths and between the parts of a batch never changes a decision."""
+    rng = random.Random(seed)
+    widths = [1, 2, 4, 8, 16]
+    short = sorted(rng.uniform(0.02, 0.2) for _ in widths)
+    cost = CostModel(
+        widths,
+        short,
+        rng.uniform(0, 0.02),
+        rng.uniform(0, 0.002),
+        0.001,
+        rng.uniform(0, 0.01),
+        context=128,
+        long_context=2048,
+        long_widths=widths,
+        long_seconds=[s * rng.uniform(1.0, 1.8) for s in short],
+    )
+    drafter, apart, count, explore_every = (
+        rng.random() < 0.7,
+        rng.random() < 0.6,
+        rng.randint(1, 8),
+        rng.choice((8, 64)),
+    )
+    planners = [
+        kind(cost, 16, StepTimes(by_context=cost.context_ratio), explore_every=explore_every)
+        for kind in (Planner, BruteForce)
+    ]
+    rows = [[random_row(rng) for _ in range(count)]]
+    rows.append(copy.deepcopy(rows[0]))
+    skill = [rng.random() for _ in range(count)]  # how often each row's proposals are right
+    for planner, batch in zip(planners, rows):
+        for row in batch:
+            planner.start(row)
+    for _ in range(30):
+        passes = [planner.passes(batch, drafter, apart) for planner, batch in zip(planners, rows)]
+        assert passes[0] == passes[1]
+        ahead = [planner.plan(batch, drafter, lookahead=1) for planner, batch in zip(planners, rows)]
+        assert ahead[0] == ahead[1]
+        for indices, plans in passes[0]:
+            accepted = []
+            for i, plan in zip(indices, plans):
+                n = 0
+                while n < plan.width - 1 and rng.random() < skill[i]:
+                    n += 1
+                accepted.append(n)
+            factor = rng.uniform(0.7, 1.6)
+            for planner, batch in zip(planners, rows):
+                part = [batch[i] for i in indices]
+                planner.learn(part, plans, accepted, factor * planner.modelled(part, plans))
+                for row, n in zip(part, accepted):
+                    row.left, row.context_length = row.left - n - 1, row.context_length + n + 1
+        for i in range(count):
+            new, copies = (
+                (random_row(rng) if rows[0][i].left < 1 else None),
+                (random_copy(rng, "lookup"), random_copy(rng, "suffix")),
+            )
+            for planner, batch in zip(planners, rows):
+                if new is not None:
+                    batch[i] = copy.deepcopy(new)
+                    planner.start(batch[i])
+                else:
+                    batch[i].lookup, batch[i].suffix = copies
