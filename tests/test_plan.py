@@ -432,12 +432,15 @@ class BruteForce(Planner):
     out once: every width tried, each adaptive row's candidates built afresh at it and the likeliest
     accepted kept, the step judged by its expected committed tokens over its seconds."""
 
-    def _best(self, rows, lefts, fixed, matches, drafter, expected, least=1):
-        best, best_value = fixed, -1.0
+    def _best(self, search, indices, least=1):
+        rows = [search.rows[i] for i in indices]
+        best, best_value = [search.fixed[i] for i in indices], -1.0
         for width in range(least, self.max_width + 1):
             plans = [
-                self.likeliest(row, min(width, left, row.block), match, drafter) if row.adaptive else plan
-                for row, left, plan, match in zip(rows, lefts, fixed, matches)
+                self.likeliest(row, min(width, search.lefts[i], row.block), search.matches[i], search.drafter)
+                if row.adaptive
+                else search.fixed[i]
+                for i, row in zip(indices, rows)
             ]
             value = sum(self.committed(row, plan) for row, plan in zip(rows, plans)) / self.seconds(rows, plans)
             if value > best_value:

@@ -14,6 +14,7 @@ import json
 import math
 import platform
 import time
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field, fields
 from functools import partial
@@ -142,13 +143,14 @@ class CostModel:
 
 def interpolate(widths: list[int], seconds: list[float], L: int) -> float:
     """A curve's seconds at width L: linear between its probes, extended past its widest."""
-    for (w0, s0), (w1, s1) in zip(zip(widths, seconds), zip(widths[1:], seconds[1:])):
-        if w0 <= L <= w1:
-            return s0 + (s1 - s0) * (L - w0) / (w1 - w0)
     if L <= widths[0] or len(widths) == 1:
         return seconds[0]
-    w0, w1, s0, s1 = widths[-2], widths[-1], seconds[-2], seconds[-1]
-    return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
+    if L > widths[-1]:
+        w0, w1, s0, s1 = widths[-2], widths[-1], seconds[-2], seconds[-1]
+        return s1 + (s1 - s0) * (L - w1) / (w1 - w0)
+    above = bisect_left(widths, L)  # the first probe at or above L (the planner asks for every width: no scan)
+    w0, w1, s0, s1 = widths[above - 1], widths[above], seconds[above - 1], seconds[above]
+    return s0 + (s1 - s0) * (L - w0) / (w1 - w0)
 
 
 def _curve(widths, seconds) -> bool:
@@ -222,7 +224,9 @@ class StepTimes:
         self.seen: dict[tuple[int, int, int], deque] = {}  # (rows, width, span) -> its last `window` ratios
         self.ratios: dict[tuple[int, int, int], float] = {}
         self.seen_at: dict[tuple[int, int, int], int] = {}  # (rows, width, span) -> the step it last ran at
-        self._verify_ratios: dict[tuple[int, int], Optional[float]] = {}  # (rows, span) -> pooled, until a step
+        # what the planner asks for every width, worked out once per step:
+        self._verify_ratios: dict[tuple[int, int], Optional[float]] = {}  # (rows, span) -> pooled verify ratio
+        self._of_span: dict[int, dict[tuple[int, int], float]] = {}  # span -> (rows, width) -> ratio
         self.steps = 0
         self.store, self.basis, self.save_every = store, list(basis), save_every
         self._unsaved = 0
@@ -277,7 +281,7 @@ class StepTimes:
         pooled = self._verify_ratio(rows, span) if width > 1 else None
         if pooled is not None:
             return pooled
-        ratios = {(r, w): ratio for (r, w, s), ratio in self.ratios.items() if s == span}
+        ratios = self._ratios_of_span(span)
         if (rows, width) in ratios:
             return ratios[rows, width]
         if width == 1:
@@ -299,6 +303,12 @@ class StepTimes:
         t = math.log(tokens / below[0]) / math.log(above[0] / below[0])
         return below[2] + t * (above[2] - below[2])
 
+    def _ratios_of_span(self, span: int) -> dict[tuple[int, int], float]:
+        """The ratios of the shapes run in the context class `span`, by (rows, width)."""
+        if span not in self._of_span:
+            self._of_span[span] = {(r, w): ratio for (r, w, s), ratio in self.ratios.items() if s == span}
+        return self._of_span[span]
+
     def _verify_ratio(self, rows: int, span: int) -> Optional[float]:
         """The lower median of the last ratios of every verify run over `rows` rows in the context
         class `span` (None: none run), worked out once per step: the planner asks for every width."""
@@ -318,6 +328,7 @@ class StepTimes:
         seen.append(max(seconds / modelled, 0.05))  # an injected clock may see a step as free
         self.ratios[shape] = self._typical(seen, width)
         self._verify_ratios.clear()
+        self._of_span.clear()
         self.steps += 1
         self.seen_at[shape] = self.steps
         # a shape judged dear is not run again, so never corrected: after a while it is forgotten,

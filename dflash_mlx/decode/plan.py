@@ -43,7 +43,7 @@ it is judged by stays current.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 from .costs import CostModel, StepTimes, context_class
 from .lookup import MATCH_BUCKETS, Match
@@ -219,9 +219,9 @@ class Planner:
         count one token less left, and their copy matches are the current ones."""
         return self._plan(rows, drafter, lookahead)[0]
 
-    def _plan(self, rows: list[Row], drafter: bool, lookahead: int = 0) -> tuple[list[Plan], Optional[list]]:
-        """plan()'s plans, and the rows' copy matches when it looked them up (None when it chose
-        without them: no adaptive row, or a plain step re-timed)."""
+    def _plan(self, rows: list[Row], drafter: bool, lookahead: int = 0) -> tuple[list[Plan], Optional["Search"]]:
+        """plan()'s plans, and its search when it searched (None when it chose without one: no
+        adaptive row, or a plain step re-timed)."""
         lefts = [row.left - lookahead for row in rows]
         fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
         if not any(row.adaptive for row in rows):
@@ -229,19 +229,23 @@ class Planner:
         least = max((plan.width for row, plan in zip(rows, fixed) if not row.adaptive), default=1)
         if least == 1 and self.steps - self.plain_at.get(len(rows), 0) >= self.explore_every:
             return [PLAIN] * len(rows), None  # re-time the plain step: its figure may be old, or one bad step
-        matches = [row.matches(min(self.max_width, left) - 1) if row.adaptive else [] for row, left in zip(rows, lefts)]
-        best, _ = self._best(rows, lefts, fixed, matches, drafter, self._expected(rows), least)
-        return self._probes(rows, lefts, best, drafter), matches
+        search = Search(self, rows, lefts, drafter)
+        best, _ = self._best(search, list(range(len(rows))), least)
+        return self._probes(rows, lefts, best, drafter), search
 
-    def _best(self, rows, lefts, fixed, matches, drafter: bool, expected, least: int = 1) -> tuple[list[Plan], float]:
-        """The rows' plans at the width that commits most per second, and that figure."""
-        best, best_value = fixed, -1.0
-        for width in range(least, self.max_width + 1):
-            plans = [
-                self._row_plan(row, min(width, left), match, drafter, expected) if row.adaptive else plan
-                for row, left, plan, match in zip(rows, lefts, fixed, matches)
-            ]
-            value = sum(expected(row, plan) for row, plan in zip(rows, plans)) / self.seconds(rows, plans)
+    def _best(self, search: "Search", indices: list[int], least: int = 1) -> tuple[list[Plan], float]:
+        """The plans of the search's rows `indices` at the width that commits most per second,
+        and that figure."""
+        rows, options = [search.rows[i] for i in indices], [search.options[i] for i in indices]
+        context, widest = span(rows), max(len(row_options) for row_options in options) - 1
+        best, best_value = [search.fixed[i] for i in indices], -1.0
+        # past the widest any row may verify, every width's plans are that width's: never better
+        for width in range(least, min(self.max_width, max(least, widest)) + 1):
+            chosen = [row_options[min(width, len(row_options) - 1)] for row_options in options]
+            plans = [option.plan for option in chosen]
+            modelled = self._modelled(plans, [option.sampling for option in chosen])
+            seconds = self.step_times.seconds(len(rows), max(plan.width for plan in plans), modelled, context)
+            value = sum(option.committed for option in chosen) / seconds
             if value > best_value:
                 best, best_value = plans, value
         return best, best_value
@@ -257,35 +261,25 @@ class Planner:
         expected to commit `apart_gain` times the tokens per second (a cut may reorder the batch's
         rows, a copy of their caches).  Where a pass's cost hardly grows with its rows (a GPU),
         two passes never pay, and are not weighed."""
-        plans, matches = self._plan(rows, drafter)
+        plans, search = self._plan(rows, drafter)
         whole = [(list(range(len(rows))), plans)]
         width = max(plan.width for plan in plans)
-        if not apart or len(rows) < 2 or width == 1 or matches is None or not all(row.adaptive for row in rows):
+        if not apart or len(rows) < 2 or width == 1 or search is None or not all(row.adaptive for row in rows):
             return whole
         one_pass, context = self.seconds(rows, plans), span(rows)
         cheapest = sum(self.step_times.seconds(1, w, self.cost.verify(w), context) for w in (width, 1))
         if cheapest >= one_pass:  # the cheapest two passes (a row at this width, one plain) cost more
             return whole
-        lefts = [row.left for row in rows]
-        fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
-        expected = self._expected(rows)  # (the copy matches are plan()'s: every row is adaptive)
 
         def best(indices: list[int]) -> tuple[list[Plan], float, float]:
             """The part's plans, the tokens they are expected to commit and their seconds."""
             part = [rows[i] for i in indices]
-            plans, _ = self._best(
-                part,
-                [lefts[i] for i in indices],
-                [fixed[i] for i in indices],
-                [matches[i] for i in indices],
-                drafter,
-                expected,
-            )
-            plans = self._probes(part, [lefts[i] for i in indices], plans, drafter)
-            return plans, sum(expected(row, plan) for row, plan in zip(part, plans)), self.seconds(part, plans)
+            plans, _ = self._best(search, indices)
+            plans = self._probes(part, [search.lefts[i] for i in indices], plans, drafter)
+            return plans, sum(search.committed(row, plan) for row, plan in zip(part, plans)), self.seconds(part, plans)
 
         by_width = sorted(range(len(rows)), key=lambda i: -best([i])[0][0].width)  # each planned alone
-        value = sum(expected(row, plan) for row, plan in zip(rows, plans)) / one_pass
+        value = sum(search.committed(row, plan) for row, plan in zip(rows, plans)) / one_pass
         chosen = whole
         for cut in range(1, len(rows)):
             first, second = sorted(by_width[:cut]), sorted(by_width[cut:])
@@ -294,31 +288,6 @@ class Planner:
             if drafting and (tokens1 + tokens2) / (seconds1 + seconds2) > self.apart_gain * value:
                 chosen, value = [(first, plans1), (second, plans2)], (tokens1 + tokens2) / (seconds1 + seconds2)
         return chosen
-
-    def _expected(self, rows: list[Row]):
-        sums = {}  # (row, kind) -> E[committed | width] for every width: summed once per step
-
-        def expected(row: Row, plan: Plan) -> float:
-            if plan.width == 1:
-                return 1.0
-            if (id(row), plan.kind) not in sums:
-                sums[id(row), plan.kind] = self.estimate(row, plan.kind).expected_committed()
-            return sums[id(row), plan.kind][plan.width]
-
-        return expected
-
-    def _row_plan(self, row: Row, limit: int, matches: list[Match], drafter: bool, expected) -> Plan:
-        """The row's likeliest-accepted proposal of at most `limit` tokens verified."""
-        limit = min(limit, row.block)
-        if limit < 2:
-            return PLAIN
-        candidates = [Plan(limit, "dflash")] if drafter else []
-        for match in matches:
-            if match:
-                kind = f"{match.source}{match.length}"
-                longest = min(len(match.tokens) + 1, limit, row.copy_widths.get(kind, limit))
-                candidates.append(Plan(longest, match.source, match.tokens[: longest - 1], match.length))
-        return max(candidates, key=lambda plan: expected(row, plan), default=PLAIN)
 
     def _probes(self, rows: list[Row], lefts: list[int], plans: list[Plan], drafter: bool) -> list[Plan]:
         """Rows whose drafter has not run for their `probe_gap` steps draft at width 2 (with
@@ -335,18 +304,22 @@ class Planner:
         """One step's time by the cost curve: a target pass over every row at the widest plan's
         width, one drafter pass per width the drafting rows draft at, and each row's sampling
         distributions."""
+        return self._modelled(plans, [self.sampling(row, plan) for row, plan in zip(rows, plans)])
+
+    def _modelled(self, plans: list[Plan], sampling: list[float]) -> float:
+        """modelled(), given each row's sampling seconds."""
         cost, width = self.cost, max(plan.width for plan in plans)
         drafting: dict[int, int] = {}
         for plan in plans:
             if plan.source == "dflash" and plan.width > 1:
                 drafting[plan.width] = drafting.get(plan.width, 0) + 1
         return (
-            cost.verify(len(rows) * width)
-            + sum(cost.drafter_pass(w, count) for w, count in drafting.items())
-            + sum(
-                cost.sampling(plan.width, row.params, drafted=plan.source == "dflash") for row, plan in zip(rows, plans)
-            )
+            cost.verify(len(plans) * width) + sum(cost.drafter_pass(w, n) for w, n in drafting.items()) + sum(sampling)
         )
+
+    def sampling(self, row: Row, plan: Plan) -> float:
+        """The seconds of the row's sampling distributions in a step of `plan`."""
+        return self.cost.sampling(plan.width, row.params, drafted=plan.source == "dflash")
 
     def seconds(self, rows: list[Row], plans: list[Plan]) -> float:
         """The expected wall time of a step: the curve, scaled by what steps of its shape took."""
@@ -386,6 +359,70 @@ class Planner:
         self.steps += 1
         if width == 1:
             self.plain_at[len(rows)] = self.steps
+
+
+class Option(NamedTuple):
+    """A row's plan at one width of a step's search, and what it is judged by."""
+
+    plan: Plan
+    committed: float  # the tokens it is expected to commit
+    sampling: float  # the seconds of its sampling distributions
+
+
+class Search:
+    """One step's search for its rows' plans, and what every width it tries (and every part of the
+    batch `Planner.passes` weighs) shares, worked out once: each row's options, its plan at each
+    width with what that plan is judged by, and the E[committed | width] of each row's kinds."""
+
+    def __init__(self, planner: Planner, rows: list[Row], lefts: list[int], drafter: bool):
+        self.planner, self.rows, self.lefts, self.drafter = planner, rows, lefts, drafter
+        self.fixed = [fixed_plan(row.block, left) for row, left in zip(rows, lefts)]
+        self.matches = [
+            row.matches(min(planner.max_width, left) - 1) if row.adaptive else [] for row, left in zip(rows, lefts)
+        ]
+        self._sums: dict[tuple[int, str], list[float]] = {}  # (row, kind) -> E[committed | width] for every width
+        self.options = [self._options(i) for i in range(len(rows))]
+
+    def committed(self, row: Row, plan: Plan) -> float:
+        """E[committed] of the row's `plan`."""
+        return 1.0 if plan.width == 1 else self._expected(row, plan.kind)[plan.width]
+
+    def _expected(self, row: Row, kind: str) -> list[float]:
+        if (id(row), kind) not in self._sums:
+            self._sums[id(row), kind] = self.planner.estimate(row, kind).expected_committed()
+        return self._sums[id(row), kind]
+
+    def _options(self, i: int) -> list[Option]:
+        """Row i's option at each width from 0 to the widest it may verify (a wider width's is the
+        widest's): its likeliest-accepted proposal of at most that many tokens verified, or its
+        fixed plan at every width when it is not adaptive."""
+        row, left = self.rows[i], self.lefts[i]
+        if not row.adaptive:
+            return [self._option(row, self.fixed[i])]
+        widest = min(left, row.block, self.planner.max_width)
+        proposals = [Plan(widest, "dflash")] if self.drafter else []
+        for match in filter(None, self.matches[i]):
+            kind = f"{match.source}{match.length}"
+            longest = min(len(match.tokens) + 1, widest, row.copy_widths.get(kind, widest))
+            proposals.append(Plan(longest, match.source, match.tokens[: longest - 1], match.length))
+        options = [self._option(row, PLAIN)] * 2
+        if not proposals or widest < 2:
+            return options
+        judged = [(plan, self._expected(row, plan.kind)) for plan in proposals]  # with E[committed | width]
+        for limit in range(2, widest + 1):
+            # the likeliest accepted at most `limit` wide (on a tie, the first: the drafter, then the copies)
+            likeliest, expected = max(judged, key=lambda judged: judged[1][min(judged[0].width, limit)])
+            plan = narrowed(likeliest, limit)
+            options.append(Option(plan, expected[plan.width], self.planner.sampling(row, plan)))
+        return options
+
+    def _option(self, row: Row, plan: Plan) -> Option:
+        return Option(plan, self.committed(row, plan), self.planner.sampling(row, plan))
+
+
+def narrowed(plan: Plan, width: int) -> Plan:
+    """`plan` verifying at most `width` tokens."""
+    return plan if plan.width <= width else Plan(width, plan.source, plan.tokens[: width - 1], plan.match)
 
 
 def span(rows: list[Row]) -> int:
