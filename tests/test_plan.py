@@ -35,6 +35,7 @@ class Row:
     estimates: dict = field(default_factory=dict)
     since_draft: int = 0
     probe_gap: int = 64
+    learnt: int = 0
     copy_widths: dict = field(default_factory=dict)
 
     def matches(self, limit: int) -> list[Match]:
@@ -269,6 +270,32 @@ def test_acceptance_estimate_learns_conditional_rates():
         estimate.observe(8, accepted)
     for got, want in zip(estimate.rates()[:4], true[:4]):
         assert got == pytest.approx(want, abs=0.05)
+
+
+def test_estimates_are_aged_when_read_as_if_after_every_cycle():
+    """A cycle ages every kind a row holds (up to 15: the drafter and copies of each match length);
+    the planner ages one when it is next read, a cycle at a time: the very figures of ageing every
+    kind after every cycle."""
+    rng = random.Random(3)
+    planner, row = Planner(cpu_like(), 16), Row()
+    planner.start(row)
+    proposals = [Plan(2, "dflash"), Plan(2, "lookup", (1,), 1), Plan(2, "lookup", (1,), 4), Plan(2, "suffix", (1,), 8)]
+    every_cycle = {plan.kind: copy.deepcopy(planner.estimate(row, plan.kind)) for plan in proposals}
+    for _ in range(300):
+        plan = rng.choice(proposals + [PLAIN])
+        plan = Plan(rng.randint(2, 16), plan.source, plan.tokens, plan.match) if plan != PLAIN else plan
+        accepted = rng.randint(0, plan.width - 1)
+        for estimate in every_cycle.values():
+            estimate.age()
+        if plan != PLAIN:
+            every_cycle[plan.kind].observe(plan.width, accepted)
+        run(planner, row, plan, accepted)
+        if rng.random() < 0.1:
+            kind = rng.choice(list(every_cycle))
+            read = planner.estimate(row, kind)
+            assert (read.trials, read.hits) == (every_cycle[kind].trials, every_cycle[kind].hits)
+    for kind, estimate in every_cycle.items():
+        assert planner.estimate(row, kind).rates() == estimate.rates()
 
 
 def test_adaptive_decoding_is_lossless_and_adapts():

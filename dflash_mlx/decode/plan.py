@@ -66,6 +66,7 @@ class AcceptanceEstimate:
     trials: list = field(default_factory=list)
     hits: list = field(default_factory=list)
     pooled: bool = False  # one rate for every position (a copy)
+    aged: int = 0  # the cycles it has aged through (`age_to`)
 
     def __post_init__(self):
         self.trials = self.trials or [0.0] * self.max_width
@@ -96,6 +97,13 @@ class AcceptanceEstimate:
         """One cycle has passed: older evidence counts for less."""
         self.trials = [t * self.decay for t in self.trials]
         self.hits = [h * self.decay for h in self.hits]
+
+    def age_to(self, cycles: int) -> None:
+        """Aged once for every cycle up to the `cycles`-th it has not aged through (one at a time:
+        the same figures as ageing after each)."""
+        while self.aged < cycles:
+            self.age()
+            self.aged += 1
 
     def observe(self, width: int, accepted: int) -> None:
         """A cycle that proposed width-1 tokens and had `accepted` of them accepted."""
@@ -159,6 +167,7 @@ class Row(Protocol):
     params: SamplingParams
     estimates: dict  # kind -> AcceptanceEstimate, this generation's
     since_draft: int  # steps since it last drafted
+    learnt: int  # cycles of this generation learnt from (its estimates are aged through them when read)
     probe_gap: int  # steps without drafting before the drafter is tried again
     copy_widths: dict  # copy kind -> the widest verify its next proposal may have
 
@@ -193,15 +202,19 @@ class Planner:
         """A new generation: fresh estimates, and an early first probe of the drafter
         (prompts differ more than the long run says)."""
         row.estimates, row.copy_widths = {}, {}
-        row.since_draft, row.probe_gap = 0, self.first_probe
+        row.since_draft, row.probe_gap, row.learnt = 0, self.first_probe, 0
 
     def estimate(self, row: Row, kind: str) -> AcceptanceEstimate:
-        """The row's acceptance estimate of `kind` (the long-run rates are its prior)."""
+        """The row's acceptance estimate of `kind` (the long-run rates are its prior), aged through
+        the cycles learnt since it was last read: each cycle ages every kind, and a row that copied
+        matches of many lengths holds up to 15 kinds, of which a step reads the few on offer."""
         if kind not in row.estimates:
             row.estimates[kind] = AcceptanceEstimate(
-                self.max_width, prior=self._long_run(kind).informed_rates(), pooled=is_copy(kind)
+                self.max_width, prior=self._long_run(kind).informed_rates(), pooled=is_copy(kind), aged=row.learnt
             )
-        return row.estimates[kind]
+        estimate = row.estimates[kind]
+        estimate.age_to(row.learnt)
+        return estimate
 
     def _long_run(self, kind: str) -> AcceptanceEstimate:
         if kind not in self.long_run:
@@ -339,8 +352,7 @@ class Planner:
                 row.since_draft += 1
             if not row.adaptive:
                 continue
-            for estimate in row.estimates.values():
-                estimate.age()
+            row.learnt += 1  # every estimate ages (when next read: estimate())
             if plan.source in COPIES:
                 # once a copy of its kind went wrong, a copy's width follows what copies of its kind
                 # just did: cut to just past the accepted run (a wrong copy -> 2), doubled after each

@@ -285,7 +285,7 @@ class Row:
         self.suffixes: Optional[SuffixStore] = learning.suffixes if self.adaptive else None  # earlier answers
         self.constraint = request.grammar.start() if request.grammar is not None else None  # the grammar's state
         self.estimates: dict = {}  # kind -> AcceptanceEstimate (plan.py)
-        self.since_draft, self.probe_gap = 0, 0
+        self.since_draft, self.probe_gap, self.learnt = 0, 0, 0
         self.copy_widths: dict = {}  # copy kind -> widest next proposal (plan.py)
         self.unfilled: list[int] = []  # prompt tokens still to prefill
         self.token = -1  # the last committed token
