@@ -423,7 +423,7 @@ class Search:
         judged = [(plan, self._expected(row, plan.kind)) for plan in proposals]  # with E[committed | width]
         for limit in range(2, widest + 1):
             # the likeliest accepted at most `limit` wide (on a tie, the first: the drafter, then the copies)
-            likeliest, expected = max(judged, key=lambda judged: judged[1][min(judged[0].width, limit)])
+            likeliest, expected = max(judged, key=lambda candidate: candidate[1][min(candidate[0].width, limit)])
             plan = narrowed(likeliest, limit)
             options.append(Option(plan, expected[plan.width], self.planner.sampling(row, plan)))
         return options
