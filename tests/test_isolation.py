@@ -2,7 +2,10 @@
 was decoding, nothing of them is kept (prompt cache, answer store), every request waiting or
 decoding beside them goes on exactly, and later answers are a fresh decoder's."""
 
+import threading
+import time
 from dataclasses import fields, replace
+from typing import Optional
 
 import mlx.core as mx
 import pytest
@@ -20,18 +23,22 @@ PROMPTS = [[1, 5, 9, 13, 2, 7, 40, 3], [60, 61, 62], list(range(20, 50)), [33, 3
 
 class Faulty:
     """A target that raises at its `passes`-th pass once armed, after computing it: its caches
-    hold the pass's tokens, as a fault at evaluation leaves them."""
+    hold the pass's tokens, as a fault at evaluation leaves them.  Armed with `hold`, its next
+    pass first waits for that event (requests sent meanwhile queue up)."""
 
     def __init__(self, target):
-        self.target, self.left = target, None
+        self.target, self.left, self.hold = target, None, None
 
     def __getattr__(self, name):
         return getattr(self.target, name)
 
-    def arm(self, passes: int) -> None:
-        self.left = passes
+    def arm(self, passes: int, hold: Optional[threading.Event] = None) -> None:
+        self.left, self.hold = passes, hold
 
     def __call__(self, tokens, cache, *args, **kwargs):
+        if self.hold is not None:
+            self.hold.wait(timeout=60)
+            self.hold = None
         out = self.target(tokens, cache, *args, **kwargs)
         if self.left is not None:
             self.left -= 1
@@ -177,7 +184,6 @@ def test_a_replayed_mix_leaves_every_later_answer_as_a_fresh_server_gives_it(tin
     gives up, a failed prompt asked again) leaves the fixed greedy prompts answered exactly as
     before the mix, and as offline generation gives them."""
     import json
-    import threading
 
     import httpx
     import openai
@@ -215,10 +221,15 @@ def test_a_replayed_mix_leaves_every_later_answer_as_a_fresh_server_gives_it(tin
             except openai.InternalServerError as e:
                 errors.append(e)
 
-        faulty.arm(4)
+        # (the first request's prefill is held until all four are sent, so the others join at the
+        # next step however slowly their threads start)
+        arrived = threading.Event()
+        faulty.arm(4, hold=arrived)
         threads = [threading.Thread(target=failing, args=(text,)) for text in CHATS]
         for t in threads:
             t.start()
+        time.sleep(1.0)
+        arrived.set()
         for t in threads:
             t.join(timeout=120)
         assert len(errors) == 4 and all("injected fault" in str(e) for e in errors)
