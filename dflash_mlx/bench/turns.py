@@ -48,9 +48,15 @@ class Turns:
     stats: DecodeStats
     tokens: list = field(default_factory=list)
     finished: bool = False
-    first_at: float = 0.0  # its clock when its first token was out
-    last_at: float = 0.0  # and when its last was
+    first_at: float = 0.0  # its clock when its first step (the prefill's) was out
+    first_tokens: int = 0  # the tokens that step gave
+    last_at: float = 0.0  # its clock when its last token was out
     last_turn: int = -1  # the number of the turn it last had
+
+    def begin(self, turn: int) -> None:
+        """Its first step, in the turn numbered `turn`: its timing starts after it."""
+        self.take(1, turn)
+        self.first_at, self.first_tokens = self.last_at, len(self.tokens)
 
     def take(self, tokens: int, turn: int) -> None:
         """Decode until `tokens` more are out (or the end), in the turn numbered `turn`."""
@@ -68,8 +74,8 @@ class Turns:
 
     @property
     def tokens_per_second(self) -> float:
-        """After the first token, by its own clock."""
-        return (len(self.tokens) - 1) / (self.last_at - self.first_at)
+        """After its first step, by its own clock."""
+        return (len(self.tokens) - self.first_tokens) / (self.last_at - self.first_at)
 
 
 def decode_in_turns(
@@ -90,8 +96,8 @@ def decode_in_turns(
         sides.append(Turns(decode(model, request, clock=clock, stats=stats), clock, stats))
     turns = 0
     for side in sides[first:] + sides[:first]:
-        side.take(1, turns)
-        side.first_at, turns = side.last_at, turns + 1
+        side.begin(turns)
+        turns += 1
     while not all(side.finished for side in sides):
         behind = min((side for side in sides if not side.finished), key=lambda side: (len(side.tokens), side.last_turn))
         behind.take(turn, turns)
