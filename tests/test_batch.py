@@ -74,6 +74,30 @@ def test_each_row_rolls_back_to_its_own_prefix(model_type):
             assert mx.allclose(got[i], want[0], atol=1e-4, rtol=1e-4), (keeps, i)
 
 
+@pytest.mark.parametrize("model_type", by_family(["gpt_oss", "gemma3_text"]))
+def test_a_verify_after_a_plain_step_sees_each_rows_whole_window(model_type):
+    """Rows of different lengths (one shorter than the window, one past it), a plain step that
+    rotates the batch's sliding windows, then a verify of 4 tokens: each row's logits are its
+    own alone (the mask of a multi-token pass once cut a padded row's oldest entry)."""
+    target = tiny_target(model_type, seed=2)
+    prompts = [PROMPTS[1], list(range(20, 60))]
+    rows = []
+    for prompt in prompts:
+        cache = target.make_cache()
+        target(mx.array([prompt]), cache)
+        rows.append(cache)
+    batch = BatchTargetCache(rows)
+    target(mx.array([[11], [12]]), batch)
+    batch.checkpoint()
+    block = mx.array([[21, 22, 23, 24], [31, 32, 33, 34]])
+    got, _ = target(block, batch)
+    for i, (prompt, last) in enumerate(zip(prompts, (11, 12))):
+        alone = target.make_cache()
+        target(mx.array([prompt + [last]]), alone)
+        want, _ = target(block[i : i + 1], alone)
+        assert mx.allclose(got[i], want[0], atol=1e-4, rtol=1e-4), (model_type, i)
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dflash2", "restricted"])
 def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
     """One drafter pass over several rows (contexts of different lengths, greedy and sampled

@@ -15,7 +15,9 @@ PRIVATE_FIELDS = {
     cache.BatchKVCache: ["_idx"],  # rollback.RaggedBatchKVCache (extend, filter), target.BatchTargetCache.width
     cache.BatchRotatingKVCache: ["_idx", "_offset"],  # rollback.BatchRotatingKV
 }
-PRIVATE_NAMES = re.compile(r"\._idx\b|\._offset\b|_get_classes|\.state\s*=\s*\(|= [a-z_.]*cache\.state$")
+PRIVATE_NAMES = re.compile(
+    r"\._idx\b|\._offset\b|\._temporal_order\b|_get_classes|\.state\s*=\s*\(|= [a-z_.]*cache\.state$"
+)
 BATCH_CALLS = ["merge", "extend", "extract", "filter", "prepare", "finalize", "trim"]
 
 
@@ -32,6 +34,19 @@ def test_batch_caches_keep_the_private_fields_rollback_reads(kind):
     assert batch._idx == 5  # the shared write index: the longest row's length
     for call in BATCH_CALLS:
         assert callable(getattr(batch, call, None)), f"mlx-lm's {kind.__name__} has no {call}()"
+
+
+def test_a_batch_of_windows_is_put_in_temporal_order_still():
+    """After a one-token step rotated the ring, in_temporal_order leaves it unrotated, the oldest
+    entry first (rollback.BatchRotatingKV.checkpoint)."""
+    singles = [cache.RotatingKVCache(max_size=4) for _ in range(2)]
+    for single in singles:
+        single.update_and_fetch(mx.arange(4.0).reshape(1, 1, 4, 1), mx.zeros((1, 1, 4, 1)))
+    batch = cache.RotatingKVCache.merge(singles)
+    batch.update_and_fetch(mx.full((2, 1, 1, 1), 4.0), mx.zeros((2, 1, 1, 1)))
+    assert batch.rotated
+    mlx_lm_compat.in_temporal_order(batch)
+    assert not batch.rotated and batch._idx == 4 and batch.keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_dynamic_roll_is_still_exported():

@@ -7,6 +7,7 @@ public API only (the contract test also checks that no other module touches thes
 - `BatchKVCache._idx`, `BatchRotatingKVCache._idx`: a batch's shared write index, the
   longest row's end (rollback.RaggedBatchKVCache moves it; the batch's width reads it)
 - `BatchRotatingKVCache._offset`: tokens the batch's windows have seen
+- `BatchRotatingKVCache._temporal_order()`: its ring put in temporal order (before a verify)
 - `RotatingKVCache.state`: its 6-tuple layout (keys, values, offset, keep, max_size, idx)
 - `mlx_lm.utils._get_classes`: a config's model and arguments classes (the GGUF converter)
 """
@@ -26,6 +27,12 @@ def set_write_index(cache, index: int) -> None:
 def window_seen(cache) -> int:
     """Tokens a batch of sliding windows has seen (BatchRotatingKVCache)."""
     return cache._offset
+
+
+def in_temporal_order(cache) -> None:
+    """A batch of sliding windows' ring put in temporal order (BatchRotatingKVCache), as its
+    multi-token update does first."""
+    cache._temporal_order()
 
 
 def drop_window_tail(cache, drop: int) -> None:

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache,
 from .gated_delta import Tape
 from .mlx_lm_compat import (
     drop_window_tail,
+    in_temporal_order,
     rotating_state,
     set_rotating_state,
     set_write_index,
@@ -321,6 +322,11 @@ class BatchRotatingKV:
         self._start = 0
 
     def checkpoint(self):
+        # mlx-lm's mask for a multi-token pass reads the ring's write index as it is, while the
+        # update it masks first puts the ring in temporal order: after a one-token step rotated
+        # the ring, the mask cut one entry more from each row's left padding than the update did,
+        # and a padded row lost the oldest token of its window (its verify chose another token)
+        in_temporal_order(self.cache)
         self._start = window_seen(self.cache)
 
     def rollback(self, keep: list[int]):
