@@ -187,6 +187,56 @@ def test_computing_ahead_after_drafting_steps_is_lossless(model_type, monkeypatc
             assert out[uid] == reference[len(prompt) : len(prompt) + 24], (model_type, max_batch)
 
 
+class Alternating(Planner):
+    """Plain and drafting steps in turn (by the steps learnt), every row at once."""
+
+    def plan(self, rows, drafter=True, lookahead=0):
+        if (self.steps + lookahead) % 2 == 0:
+            return [PLAIN] * len(rows)
+        return [Plan(min(4, row.left - lookahead), "dflash") if row.left - lookahead >= 2 else PLAIN for row in rows]
+
+    def passes(self, rows, drafter=True, apart=False):
+        return [(list(range(len(rows))), self.plan(rows, drafter))]
+
+
+def widths_until_done(decoder: Decoder) -> tuple[dict, list[int]]:
+    """Each request's tokens, and the width of every decode step."""
+    out, widths = {}, []
+    while decoder.busy:
+        step = decoder.step()
+        widths += [step.width] if step.size else []
+        for uid, s in step.steps.items():
+            out.setdefault(uid, []).extend(s.tokens)
+    return out, widths
+
+
+@pytest.mark.parametrize("model_type", by_family(["llama", "qwen3_5", "gpt_oss", "gemma3_text"]))
+def test_plain_and_drafting_steps_in_turn_are_lossless(model_type):
+    """Every drafting step right after a plain one (a sliding window a one-token step rotated,
+    then a verify; a GatedDeltaNet state stepped once, then checkpointed): the outputs are the
+    plain ones, alone and batched, greedy and seeded sampling (the same noise per position)."""
+    target = tiny_target(model_type, seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 24)
+    cpu = CostModel([1, 2, 4, 8, 16], [0.01 * (1 + 0.1 * (w - 1)) for w in (1, 2, 4, 8, 16)], draft_seconds=0.001)
+    for max_batch in (1, 8):
+        decoder = Decoder(DFlashModel(target, oracle), max_batch=max_batch, learning=Learning(Alternating(cpu, 4)))
+        uids = [decoder.add(Request(list(p), 24, SamplingParams())).uid for p in PROMPTS]
+        out, widths = widths_until_done(decoder)
+        assert sum(a == 1 and b > 1 for a, b in zip(widths, widths[1:])) >= 6, widths
+        for uid, prompt, reference in zip(uids, PROMPTS, references):
+            assert out[uid] == reference[len(prompt) : len(prompt) + 24], (model_type, max_batch)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
+    plain = [
+        [t for s in decode(model, Request(list(p), 16, sp, seed=7 + i, block_size=1)) for t in s.tokens]
+        for i, (p, sp) in enumerate(zip(PROMPTS, params))
+    ]
+    decoder = Decoder(model, learning=Learning(Alternating(cpu, 4)))
+    uids = [decoder.add(Request(list(p), 16, sp, seed=7 + i)).uid for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    out, widths = widths_until_done(decoder)
+    assert 1 in widths and max(widths) > 1 and [out[u] for u in uids] == plain
+
+
 def test_rows_keep_different_lengths_in_one_step():
     """The oracle's misses differ per row: most steps keep different lengths per row (what the
     per-row rollback is for), and long runs are accepted."""
