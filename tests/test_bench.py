@@ -103,3 +103,28 @@ def test_decodings_in_turns_give_plain_greedys_tokens_each_timed_by_its_own_cloc
     assert all(side.finished and side.last_turn >= 2 for side in sides)  # each had turns after its first token
     assert sum(side.last_at - side.first_at for side in sides) <= wall  # no second counted on two clocks
     assert all(side.tokens_per_second > 0 for side in sides)
+
+
+def test_the_planner_replayed_is_credited_for_drafts_kept_and_charged_for_drafts_refused():
+    """A recording whose drafts the target always keeps replays well above plain decoding, one
+    whose drafts it never keeps at about plain speed (the probes' cost) on a fresh planner and
+    below it on one that just learnt the first; the same seed replays the same; and the
+    planner's estimates are scored against what its steps committed."""
+    from dflash_mlx.bench.replay import Recorded, Replay, bounds, calibration
+    from dflash_mlx.decode.costs import CostModel
+
+    cost = CostModel([1, 2, 4, 8, 16], [0.1 * (1 + 0.11 * (w - 1)) for w in (1, 2, 4, 8, 16)], 0.012)
+    tokens, block = 48, 8
+    prompt, answer = list(range(100, 140)), list(range(1, tokens + block + 1))
+    right = Recorded(prompt, answer, [{w: w - 1 for w in range(2, block + 1)} for _ in range(tokens)])
+    wrong = Recorded(prompt, answer, [{w: 0 for w in range(2, block + 1)} for _ in range(tokens)])
+    kept, refused = (Replay(cost, frozenset({2}), block, tokens, seed=1).prompt(r) for r in (right, wrong))
+    assert kept.gain > 2 and kept.tau > 4
+    assert 0.85 < refused.gain <= 1.0 and sum(c.width > 1 for c in refused.cycles) <= 8
+    after = Replay(cost, frozenset({2}), block, tokens, seed=1)
+    assert after.prompt(right).gain == kept.gain  # the same seed replays the same
+    assert after.prompt(wrong).gain < refused.gain  # a planner that learnt a drafter always right pays to unlearn it
+    assert bounds(right, cost, block, tokens)[:2] == (block, pytest.approx(kept.gain, rel=0.3))
+    assert bounds(wrong, cost, block, tokens)[1:] == pytest.approx((1.0, 1.0))
+    scores = calibration([kept, refused])
+    assert scores and all(steps > 0 and committed >= 1 for steps, _, committed in scores.values())
