@@ -53,10 +53,7 @@ COPIES = ("lookup", "suffix")
 def verify_bound(cost: CostModel, stats: DecodeStats) -> float:
     """The gain over plain decoding if every cycle cost its target pass and drafter pass as the
     curve times them alone (a plain token: one 1-token pass)."""
-    seconds = sum(
-        cost.verify(width) + (cost.drafter_pass(width) if source == "dflash" and width > 1 else 0.0)
-        for width, source in zip(stats.widths, stats.sources)
-    )
+    seconds = sum(cost.cycle(width, drafted=source == "dflash") for width, source in zip(stats.widths, stats.sources))
     return sum(stats.accepted_lengths) * cost.verify(1) / seconds
 
 

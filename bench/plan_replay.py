@@ -6,7 +6,7 @@ replay the planner against it, on the measured cost curve, over several seeds of
     python bench/plan_replay.py replay [--table FILE] [--seeds 8] [--noise 0.1]
 
 `record` decodes each prompt plain, then drafts at every width after every committed token
-(~3 minutes for 8 prompts on the 2-core VM) and writes the table with the cost curve the planner
+(~5 minutes for 8 prompts on the 2-core VM) and writes the table with the cost curve the planner
 uses (`load`'s, cached per machine).  `replay` needs no model: per prompt, the median gain over
 the seeds (plain's time over the planner's, both by the curve, without noise), its tau, and what
 drafting alone could gain (the best fixed width; the best width at every step knowing the

@@ -49,6 +49,16 @@ def oracle_for(target, prompts, max_tokens, seed=0):
     return rows_oracle_draft(target, references, wrong, block_size=6), references
 
 
+def prefilled_batch(target, prompts: list) -> BatchTargetCache:
+    """One batch cache of `prompts`, each prefilled alone."""
+    rows = []
+    for prompt in prompts:
+        cache = target.make_cache()
+        target(mx.array([prompt]), cache)
+        rows.append(cache)
+    return BatchTargetCache(rows)
+
+
 @pytest.mark.parametrize("model_type", by_family(BATCH_FAMILIES))
 def test_each_row_rolls_back_to_its_own_prefix(model_type):
     """After a batched verify of 6 tokens with a different keep per row, each row's cache is the
@@ -56,12 +66,7 @@ def test_each_row_rolls_back_to_its_own_prefix(model_type):
     target = tiny_target(model_type, seed=2)
     block = mx.array([[9, 8, 7, 6, 5, 4], [3, 4, 5, 6, 7, 8], [10, 11, 12, 13, 14, 15]])
     for keeps in ([1, 4, 6], [6, 6, 1], [3, 3, 3], [2, 5, 1]):
-        rows = []
-        for prompt in PROMPTS:
-            cache = target.make_cache()
-            target(mx.array([prompt]), cache)
-            rows.append(cache)
-        batch = BatchTargetCache(rows)
+        batch = prefilled_batch(target, PROMPTS)
         batch.checkpoint()
         target(block, batch)
         batch.rollback(keeps)
@@ -81,12 +86,7 @@ def test_a_verify_after_a_plain_step_sees_each_rows_whole_window(model_type):
     own alone (the mask of a multi-token pass once cut a padded row's oldest entry)."""
     target = tiny_target(model_type, seed=2)
     prompts = [PROMPTS[1], list(range(20, 60))]
-    rows = []
-    for prompt in prompts:
-        cache = target.make_cache()
-        target(mx.array([prompt]), cache)
-        rows.append(cache)
-    batch = BatchTargetCache(rows)
+    batch = prefilled_batch(target, prompts)
     target(mx.array([[11], [12]]), batch)
     batch.checkpoint()
     block = mx.array([[21, 22, 23, 24], [31, 32, 33, 34]])
@@ -217,7 +217,7 @@ def test_plain_and_drafting_steps_in_turn_are_lossless(model_type):
     plain ones, alone and batched, greedy and seeded sampling (the same noise per position)."""
     target = tiny_target(model_type, seed=2)
     oracle, references = oracle_for(target, PROMPTS, 24)
-    cpu = CostModel([1, 2, 4, 8, 16], [0.01 * (1 + 0.1 * (w - 1)) for w in (1, 2, 4, 8, 16)], draft_seconds=0.001)
+    cpu = cost_model(0.1)
     for max_batch in (1, 8):
         decoder = Decoder(DFlashModel(target, oracle), max_batch=max_batch, learning=Learning(Alternating(cpu, 4)))
         uids = [decoder.add(Request(list(p), 24, SamplingParams())).uid for p in PROMPTS]

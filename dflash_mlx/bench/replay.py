@@ -9,9 +9,9 @@ plan the recorded agreement at its width, a copy of the prompt lookup's the toke
 that equal the answer's.  Each step is charged the curve's time for its plan (a target pass of
 its width, and the drafter's pass when it drafted); the planner learns that time with noise
 drawn on top, which only ever adds time, as on a shared machine (a step 1 + |N(0, noise)| times
-longer on a log scale, and now and then a stall of half a step again).  The gain is plain decoding's time over the plan's, both by the curve
-without noise: what the planner's choices are worth, apart from the loop's host work and the
-machine's drift.
+longer on a log scale, and now and then a stall of half a step again).  The gain is plain
+decoding's time over the plan's, both by the curve without noise: what the planner's choices are
+worth, apart from the loop's host work and the machine's drift.
 """
 
 import math
@@ -108,12 +108,12 @@ class Replay:
             row.left, row.context_length = self.tokens - committed, len(recorded.prompt) + committed
             plan = self.planner.plan([row], drafter=True)[0]
             kept = min(self._agreed(recorded, plan, committed), row.left - 1)
-            if adaptive and plan.width > 1:
-                expected = self.planner.estimate(row, plan.kind).expected_committed()[plan.width]
+            if adaptive:
+                expected = (
+                    self.planner.estimate(row, plan.kind).expected_committed()[plan.width] if plan.width > 1 else 1
+                )
                 cycles.append(Cycle(plan.kind, plan.width, expected, kept + 1))
-            elif adaptive:
-                cycles.append(Cycle(plan.kind, 1, 1.0, 1))
-            step = self._seconds(plan)
+            step = self.cost.cycle(plan.width, drafted=plan.source == "dflash")
             self.planner.learn([row], [plan], [kept], step * self._noise())
             seconds += step
             if row.lookup is not None:
@@ -132,10 +132,6 @@ class Replay:
             kept += 1
         return kept
 
-    def _seconds(self, plan: Plan) -> float:
-        drafted = plan.source == "dflash" and plan.width > 1
-        return self.cost.verify(plan.width) + (self.cost.drafter_pass(plan.width) if drafted else 0.0)
-
     def _noise(self) -> float:
         if not self.noise:
             return 1.0
@@ -148,23 +144,20 @@ def bounds(recorded: Recorded, cost: CostModel, block: int, tokens: int) -> tupl
     gain, and the gain of the best width chosen at every step knowing the outcome (a bound no
     planner reaches)."""
 
-    def step(width: int) -> float:
-        return cost.verify(width) + (cost.drafter_pass(width) if width > 1 else 0.0)
-
     def kept(committed: int, width: int) -> int:
         agreed = recorded.agreed[committed - 1][width] if width > 1 else 0
         return min(agreed, width - 1, tokens - committed - 1)
 
-    plain = (tokens - 1) * step(1)
+    plain = (tokens - 1) * cost.cycle(1)
     best = {tokens: 0.0}  # committed -> the least time to the end, knowing every outcome
     for c in range(tokens - 1, 0, -1):
-        best[c] = min(step(w) + best[c + kept(c, w) + 1] for w in range(1, min(block, tokens - c) + 1))
+        best[c] = min(cost.cycle(w) + best[c + kept(c, w) + 1] for w in range(1, min(block, tokens - c) + 1))
     fixed = {}
     for width in range(1, block + 1):
         c, seconds = 1, 0.0
         while c < tokens:
             w = min(width, tokens - c)
-            seconds, c = seconds + step(w), c + kept(c, w) + 1
+            seconds, c = seconds + cost.cycle(w), c + kept(c, w) + 1
         fixed[width] = plain / seconds
     widest = max(fixed, key=fixed.get)
     return widest, fixed[widest], plain / best[1]
