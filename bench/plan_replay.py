@@ -57,20 +57,22 @@ def record(args) -> None:
         mx.eval(features)
         context = draft.make_cache()
         draft.add_context(features[:, : len(prompt)], context)
-        agreed = []
+        agreed, confidence = [], []
         for c in range(1, args.max_tokens + 1):  # c tokens committed, the c-th the last
             if c > 1:
                 draft.add_context(features[:, len(prompt) + c - 2 : len(prompt) + c - 1], context)
-            at = {}
+            at, sure = {}, {}
             for width in range(2, block + 1):
                 tokens = mx.array([[answer[c - 1]] + [draft.mask_token_id] * (width - 1)], dtype=mx.int32)
-                drafted = draft.propose(tokens, context, SamplingParams(), None).tolist()
+                drafts = draft.drafts(tokens, [context], [SamplingParams()], [None])
+                drafted = drafts.tokens[0].tolist()
                 n = 0
                 while n < len(drafted) and c + n < len(answer) and drafted[n] == answer[c + n]:
                     n += 1
-                at[width] = n
+                at[width], sure[width] = n, [round(p, 4) for p in drafts.confidence[0].tolist()]
             agreed.append(at)
-        recorded.append({"prompt": prompt, "answer": answer, "agreed": agreed})
+            confidence.append(sure)
+        recorded.append({"prompt": prompt, "answer": answer, "agreed": agreed, "confidence": confidence})
     table = {
         "tokens": args.max_tokens,
         "block": block,
@@ -87,7 +89,12 @@ def replay(args) -> None:
     table = json.loads(args.table.read_text())
     cost, tokens, block = CostModel(**table["cost"]), table["tokens"], table["block"]
     prompts = [
-        Recorded(p["prompt"], p["answer"], [{int(w): n for w, n in at.items()} for at in p["agreed"]])
+        Recorded(
+            p["prompt"],
+            p["answer"],
+            [{int(w): n for w, n in at.items()} for at in p["agreed"]],
+            [{int(w): sure for w, sure in at.items()} for at in p["confidence"]],
+        )
         for p in table["prompts"]
     ]
     runs = []

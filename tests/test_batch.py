@@ -120,9 +120,9 @@ def test_rows_drafted_together_draft_what_each_drafts_alone(kind):
             None if p.greedy else mx.random.gumbel((width, target.vocab_size), key=mx.random.key(i))
             for i, p in enumerate(params)
         ]
-        together = verify.draft_rows(model, lasts, contexts, width, params, noises)
+        together = verify.draft_rows(model, lasts, contexts, width, params, noises).tokens
         alone = [
-            verify.draft_rows(model, [last], [context], width, [p], [noise])[0]
+            verify.draft_rows(model, [last], [context], width, [p], [noise]).tokens[0]
             for last, context, p, noise in zip(lasts, contexts, params, noises)
         ]
         assert [t.tolist() for t in together] == [a.tolist() for a in alone], (kind, width, params)
@@ -235,6 +235,72 @@ def test_plain_and_drafting_steps_in_turn_are_lossless(model_type):
     uids = [decoder.add(Request(list(p), 16, sp, seed=7 + i)).uid for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     out, widths = widths_until_done(decoder)
     assert 1 in widths and max(widths) > 1 and [out[u] for u in uids] == plain
+
+
+class Cutting(Alternating):
+    """Alternating's steps, every drafting step's verify cut after its drafts are read: each row
+    to a width drawn at random (1: nothing it drafted verified), most often to one for them all."""
+
+    def __init__(self, *args, seed: int = 0):
+        super().__init__(*args)
+        self.rng, self.cut_widths = random.Random(seed), []
+
+    def cuts(self, rows, plans):
+        return True
+
+    def cut(self, rows, plans, confidences):
+        assert [c is not None for c in confidences] == [p.source == "dflash" and p.width > 1 for p in plans]
+        assert all(0 <= c <= 1 for row in confidences if row for c in row)
+        shared = self.rng.randint(1, max(p.width for p in plans))
+        widths = [shared if self.rng.random() < 0.6 else self.rng.randint(1, p.width) for p in plans]
+        cut = [
+            Plan(min(w, p.width), "dflash", drafted=p.width) if c else p for w, p, c in zip(widths, plans, confidences)
+        ]
+        self.cut_widths.append(max(p.width for p in cut))
+        return cut
+
+
+@pytest.mark.parametrize("model_type", by_family(["llama", "qwen3_5", "gpt_oss", "gemma3_text"]))
+def test_verifies_cut_after_their_drafts_are_read_are_lossless(model_type):
+    """Drafted verifies cut to any width after the drafts are read (to 1 after the caches were
+    checkpointed: nothing to roll back), rows of a batch to different ones: the outputs are the
+    plain ones, alone and batched, greedy and seeded sampling."""
+    target = tiny_target(model_type, seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 24)
+    cpu = cost_model(0.1)
+    for max_batch in (1, 8):
+        planner = Cutting(cpu, 6, seed=max_batch)
+        decoder = Decoder(DFlashModel(target, oracle), max_batch=max_batch, learning=Learning(planner))
+        uids = [decoder.add(Request(list(p), 24, SamplingParams())).uid for p in PROMPTS]
+        out, widths = widths_until_done(decoder)
+        assert 1 in planner.cut_widths and max(planner.cut_widths) > 2, planner.cut_widths
+        for uid, prompt, reference in zip(uids, PROMPTS, references):
+            assert out[uid] == reference[len(prompt) : len(prompt) + 24], (model_type, max_batch)
+    model = DFlashModel(target, random_draft(target, block_size=4))
+    params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
+    plain = [
+        [t for s in decode(model, Request(list(p), 16, sp, seed=7 + i, block_size=1)) for t in s.tokens]
+        for i, (p, sp) in enumerate(zip(PROMPTS, params))
+    ]
+    planner = Cutting(cpu, 4, seed=3)
+    decoder = Decoder(model, learning=Learning(planner))
+    uids = [decoder.add(Request(list(p), 16, sp, seed=7 + i)).uid for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    out, _ = widths_until_done(decoder)
+    assert planner.cut_widths and [out[u] for u in uids] == plain
+
+
+def test_the_planner_cuts_drafted_verifies_on_a_steep_curve_and_stays_lossless():
+    """The planner itself, on a compute-bound curve: it reads the drafts of its drafting steps,
+    learns what their confidence says, and the outputs are the plain ones."""
+    target = tiny_target("llama", seed=2)
+    oracle, references = oracle_for(target, PROMPTS, 30)
+    planner = Planner(cost_model(0.1), 6)
+    decoder = Decoder(DFlashModel(target, oracle), max_batch=1, learning=Learning(planner))
+    uids = [decoder.add(Request(list(p), 30, SamplingParams())).uid for p in PROMPTS]
+    out, _ = widths_until_done(decoder)
+    assert sum(planner.evidence.accepted) > 0 and sum(planner.evidence.refused) > 0
+    for uid, prompt, reference in zip(uids, PROMPTS, references):
+        assert out[uid] == reference[len(prompt) : len(prompt) + 30]
 
 
 def test_rows_keep_different_lengths_in_one_step():

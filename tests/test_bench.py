@@ -108,16 +108,27 @@ def test_decodings_in_turns_give_plain_greedys_tokens_each_timed_by_its_own_cloc
 def test_the_planner_replayed_is_credited_for_drafts_kept_and_charged_for_drafts_refused():
     """A recording whose drafts the target always keeps replays well above plain decoding, one
     whose drafts it never keeps at about plain speed (the probes' cost) on a fresh planner and
-    below it on one that just learnt the first; the same seed replays the same; and the
-    planner's estimates are scored against what its steps committed."""
+    below it on one that just learnt the first; the same seed replays the same; the drafts'
+    confidence cuts the verifies it foretells are refused; and the planner's estimates are
+    scored against what its steps committed."""
     from dflash_mlx.bench.replay import Recorded, Replay, bounds, calibration
     from dflash_mlx.decode.costs import CostModel
 
     cost = CostModel([1, 2, 4, 8, 16], [0.1 * (1 + 0.11 * (w - 1)) for w in (1, 2, 4, 8, 16)], 0.012)
     tokens, block = 48, 8
     prompt, answer = list(range(100, 140)), list(range(1, tokens + block + 1))
-    right = Recorded(prompt, answer, [{w: w - 1 for w in range(2, block + 1)} for _ in range(tokens)])
-    wrong = Recorded(prompt, answer, [{w: 0 for w in range(2, block + 1)} for _ in range(tokens)])
+
+    def recorded(agreed, sure) -> Recorded:
+        """Drafts agreeing `agreed(c)` tokens after c committed, `sure(c)` confident in each."""
+        widths = range(2, block + 1)
+        return Recorded(
+            prompt,
+            answer,
+            [{w: min(agreed(c), w - 1) for w in widths} for c in range(1, tokens + 1)],
+            [{w: [sure(c)] * (w - 1) for w in widths} for c in range(1, tokens + 1)],
+        )
+
+    right, wrong = recorded(lambda c: block, lambda c: 0.95), recorded(lambda c: 0, lambda c: 0.15)
     kept, refused = (Replay(cost, frozenset({2}), block, tokens, seed=1).prompt(r) for r in (right, wrong))
     assert kept.gain > 2 and kept.tau > 4
     assert 0.85 < refused.gain <= 1.0 and sum(c.width > 1 for c in refused.cycles) <= 8
@@ -126,5 +137,10 @@ def test_the_planner_replayed_is_credited_for_drafts_kept_and_charged_for_drafts
     assert after.prompt(wrong).gain < refused.gain  # a planner that learnt a drafter always right pays to unlearn it
     assert bounds(right, cost, block, tokens)[:2] == (block, pytest.approx(kept.gain, rel=0.3))
     assert bounds(wrong, cost, block, tokens)[1:] == pytest.approx((1.0, 1.0))
+    # drafts wrong at every third position: a planner that reads how sure they are cuts the wrong ones' verify
+    informed = recorded(lambda c: block * (c % 3 > 0), lambda c: 0.95 if c % 3 else 0.15)
+    blind = recorded(lambda c: block * (c % 3 > 0), lambda c: 0.5)
+    replays = [Replay(cost, frozenset({2}), block, tokens, seed=1).prompt(r) for r in (informed, blind)]
+    assert replays[0].gain > 1.03 * replays[1].gain
     scores = calibration([kept, refused])
     assert scores and all(steps > 0 and committed >= 1 for steps, _, committed in scores.values())

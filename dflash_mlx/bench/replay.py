@@ -29,11 +29,13 @@ from ..sampling import SamplingParams
 class Recorded:
     """One prompt's recorded decoding: its answer (plain greedy) and, for each committed count
     c = 1.. (its c-th token the last committed), how many of the drafter's w - 1 tokens drafted
-    there agree with the answer (`agreed[c - 1][w]`, w = 2..block)."""
+    there agree with the answer (`agreed[c - 1][w]`, w = 2..block) and the drafter's confidence
+    in each of them (`confidence[c - 1][w]`, read where the planner cuts a verify)."""
 
     prompt: list[int]
     answer: list[int]
     agreed: list[dict[int, int]]
+    confidence: list[dict[int, list[float]]]
 
 
 @dataclass
@@ -107,14 +109,18 @@ class Replay:
         while committed < self.tokens:
             row.left, row.context_length = self.tokens - committed, len(recorded.prompt) + committed
             plan = self.planner.plan([row], drafter=True)[0]
+            confidences = None
+            if self.planner.cuts([row], [plan]):
+                confidences = [recorded.confidence[committed - 1][plan.width]]
+                plan = self.planner.cut([row], [plan], confidences)[0]
             kept = min(self._agreed(recorded, plan, committed), row.left - 1)
             if adaptive:
                 expected = (
                     self.planner.estimate(row, plan.kind).expected_committed()[plan.width] if plan.width > 1 else 1
                 )
                 cycles.append(Cycle(plan.kind, plan.width, expected, kept + 1))
-            step = self.cost.cycle(plan.width, drafted=plan.source == "dflash")
-            self.planner.learn([row], [plan], [kept], step * self._noise())
+            step = self.planner.modelled([row], [plan])  # a cut verify pays the drafter's pass at its own width
+            self.planner.learn([row], [plan], [kept], step * self._noise(), confidences)
             seconds += step
             if row.lookup is not None:
                 row.lookup.extend(recorded.answer[committed : committed + kept + 1])
@@ -123,8 +129,8 @@ class Replay:
 
     def _agreed(self, recorded: Recorded, plan: Plan, committed: int) -> int:
         """The proposed tokens of `plan` the target would have kept after `committed` tokens."""
-        if plan.source == "dflash" and plan.width > 1:
-            return min(recorded.agreed[committed - 1][plan.width], plan.width - 1)
+        if plan.source == "dflash":
+            return min(recorded.agreed[committed - 1][plan.drafter_width], plan.width - 1) if plan.width > 1 else 0
         kept = 0
         for token in plan.tokens:
             if committed + kept >= len(recorded.answer) or token != recorded.answer[committed + kept]:

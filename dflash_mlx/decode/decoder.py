@@ -331,7 +331,7 @@ class Decoder:
         else:
             passes = self._passes()  # first: it may reorder the rows and their cache
             PHASES.lap("plan")
-            done = build_passes(self.model, self.rows, self.cache, passes, self.clock)
+            done = build_passes(self.model, self.rows, self.cache, passes, self.clock, self.learning.planner)
         width = max(current.width for _, current in done)
         if width == 1 and len(done) == 1:
             mx.async_eval(done[0][1].next_tokens)  # its own task: reading it must not wait for the pass queued next

@@ -49,11 +49,13 @@ it is judged by stays current.
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Protocol
 
+from .confidence import ConfidenceEvidence, expected_sums
 from .costs import CostModel, StepTimes, context_class
 from .lookup import MATCH_BUCKETS, Match
 from ..sampling import SamplingParams
 
 COPIES = ("lookup", "suffix")  # sources that copy earlier tokens (no drafter pass)
+CUT_PAYS = 1.25  # a step's verify must cost this many plain passes before its drafts are read to cut it
 
 
 @dataclass
@@ -120,11 +122,7 @@ class AcceptanceEstimate:
 
     def expected_committed(self) -> list[float]:
         """[L] = E[committed | width L], for L = 0 .. max_width + 1 ([0] unused)."""
-        run, sums = 1.0, [1.0, 1.0]
-        for a in self.rates():
-            run *= a
-            sums.append(sums[-1] + run)
-        return sums
+        return expected_sums(self.rates())
 
 
 @dataclass(frozen=True)
@@ -132,12 +130,19 @@ class Plan:
     """What one cycle does: verify `width` tokens, the last committed one plus width - 1
     proposed by `source` ("dflash": the drafter; "lookup" or "suffix": copied `tokens`, found
     by a match of `match` tokens, or of that length class; "grammar": `tokens` a grammar
-    forces); width 1 is a plain decoding step."""
+    forces); width 1 is a plain decoding step.  A drafter's plan whose verify was cut by its
+    drafted tokens' confidence (`Planner.cut`) keeps the width it `drafted` at."""
 
     width: int = 1
     source: str = "plain"
     tokens: tuple = ()
     match: int = 0
+    drafted: int = 0  # the drafter's width, when the verify was cut narrower (0: its width)
+
+    @property
+    def drafter_width(self) -> int:
+        """The width of its drafter pass (1: none)."""
+        return (self.drafted or self.width) if self.source == "dflash" else 1
 
     @property
     def kind(self) -> str:
@@ -204,6 +209,7 @@ class Planner:
     long_run: dict = field(default_factory=dict)  # kind -> AcceptanceEstimate over every generation
     steps: int = 0  # steps learnt from
     plain_at: dict = field(default_factory=dict)  # batch size -> the step its plain shape last ran at
+    evidence: ConfidenceEvidence = field(default_factory=ConfidenceEvidence)
 
     def start(self, row: Row) -> None:
         """A new generation: fresh estimates, and an early first probe of the drafter
@@ -320,6 +326,45 @@ class Planner:
             return plans
         return [Plan(2, "dflash") if due(*args, halfway=True) else args[2] for args in zip(rows, lefts, plans)]
 
+    # ------------------------------------------------------------ cutting a drafted verify
+
+    def cuts(self, rows: list[Row], plans: list[Plan]) -> bool:
+        """Whether the step's drafted tokens are worth reading before its verify is built, to cut
+        it (`cut`): an adaptive row drafts, and the curve charges the step's verify at its width
+        at least `CUT_PAYS` times one at width 1 (where a pass costs about the same at any width,
+        a Mac GPU's, the read would only idle it while the verify is built)."""
+        width, n = max(plan.width for plan in plans), len(plans)
+        drafting = any(row.adaptive and plan.source == "dflash" and plan.width > 1 for row, plan in zip(rows, plans))
+        return drafting and self.cost.verify(n * width) >= CUT_PAYS * self.cost.verify(n)
+
+    def cut(self, rows: list[Row], plans: list[Plan], confidences: list[Optional[list[float]]]) -> list[Plan]:
+        """The plans with each adaptive drafting row's verify cut to the width at which the step is
+        expected to commit most per second, now that its drafted tokens' confidences are known
+        (`confidences`: each row's, None where it did not draft): the row's own rates, corrected
+        by them (confidence.py).  The drafter's pass is paid whatever the width; the drafting
+        rows are cut to one width at most (a narrower one would still pay the step's)."""
+        sums = [
+            expected_sums(self.evidence.rates(self.estimate(row, "dflash").rates()[: plan.width - 1], confidence))
+            if confidence is not None and row.adaptive and plan.source == "dflash" and plan.width > 1
+            else None
+            for row, plan, confidence in zip(rows, plans, confidences)
+        ]
+        others = sum(self.committed(row, plan) for row, plan, row_sums in zip(rows, plans, sums) if row_sums is None)
+        best, best_value = plans, -1.0
+        for width in range(max(plan.width for plan in plans), 0, -1):  # on a tie, the wider
+            cut = [plan if row_sums is None else cut_to(plan, width) for plan, row_sums in zip(plans, sums)]
+            committed = others + sum(row_sums[c.width] for c, row_sums in zip(cut, sums) if row_sums is not None)
+            value = committed / self.seconds(rows, cut)
+            if value > best_value:
+                best, best_value = cut, value
+        return best
+
+    def committed(self, row: Row, plan: Plan) -> float:
+        """E[committed] of the row's `plan` (a grammar's forced tokens are all accepted)."""
+        if plan.width == 1 or plan.source == "grammar":
+            return float(plan.width)
+        return self.estimate(row, plan.kind).expected_committed()[plan.width]
+
     def modelled(self, rows: list[Row], plans: list[Plan]) -> float:
         """One step's time by the cost curve: a target pass over every row at the widest plan's
         width, one drafter pass per width the drafting rows draft at, and each row's sampling
@@ -331,8 +376,8 @@ class Planner:
         cost, width = self.cost, max(plan.width for plan in plans)
         drafting: dict[int, int] = {}
         for plan in plans:
-            if plan.source == "dflash" and plan.width > 1:
-                drafting[plan.width] = drafting.get(plan.width, 0) + 1
+            if plan.drafter_width > 1:
+                drafting[plan.drafter_width] = drafting.get(plan.drafter_width, 0) + 1
         return (
             cost.verify(len(plans) * width) + sum(cost.drafter_pass(w, n) for w, n in drafting.items()) + sum(sampling)
         )
@@ -348,9 +393,17 @@ class Planner:
 
     # ------------------------------------------------------------ learning
 
-    def learn(self, rows: list[Row], plans: list[Plan], accepted: list[int], seconds: float) -> None:
-        """A step just run: each adaptive row's acceptance (where it proposed), and its time."""
-        for row, plan, n in zip(rows, plans, accepted):
+    def learn(
+        self,
+        rows: list[Row],
+        plans: list[Plan],
+        accepted: list[int],
+        seconds: float,
+        confidences: Optional[list[Optional[list[float]]]] = None,
+    ) -> None:
+        """A step just run: each adaptive row's acceptance (where it proposed, and what its drafted
+        tokens' `confidences` said, where they were read), and its time."""
+        for row, plan, n, confidence in zip(rows, plans, accepted, confidences or [None] * len(rows)):
             if plan.source == "dflash":
                 if gap_reached(row, halfway=True):  # tried again after a stretch without it
                     row.probe_gap = min(self.explore_every, 2 * row.probe_gap)
@@ -373,6 +426,8 @@ class Planner:
                 long_run = self._long_run(plan.kind)
                 long_run.age()
                 long_run.observe(plan.width, n)
+                if confidence is not None:
+                    self.evidence.observe(confidence, n, min(n + 1, plan.width - 1))
         width = max(plan.width for plan in plans)
         self.step_times.observe(len(rows), width, self.modelled(rows, plans), seconds, span(rows))
         self.steps += 1
@@ -437,6 +492,11 @@ class Search:
 
     def _option(self, row: Row, plan: Plan) -> Option:
         return Option(plan, self.committed(row, plan), self.planner.sampling(row, plan))
+
+
+def cut_to(plan: Plan, width: int) -> Plan:
+    """A drafter's `plan` verifying at most `width` of the tokens it drafted (1: none)."""
+    return plan if plan.width <= width else Plan(width, "dflash", drafted=plan.drafter_width)
 
 
 def narrowed(plan: Plan, width: int) -> Plan:

@@ -22,6 +22,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..drafters.model import Drafts
 from ..sampling import SamplingParams, choose
 from .grammar import masked
 from .model import DFlashModel, Step
@@ -44,6 +45,7 @@ class Pass:
     logits: mx.array
     features: Optional[mx.array]
     seconds: float = 0.0  # its own time, when computed apart from the step's other pass
+    confidences: Optional[list] = None  # each row's drafted tokens' confidences, where they were read to cut it
 
     @property
     def width(self) -> int:
@@ -75,6 +77,7 @@ class Pass:
             self.next_tokens[rows],
             self.logits[rows],
             None if self.features is None else self.features[rows],
+            confidences=None if self.confidences is None else [self.confidences[i] for i in index],
         )
 
 
@@ -82,20 +85,25 @@ class Pass:
 
 
 def build_passes(
-    model: DFlashModel, rows: list[Row], cache, passes: list[tuple[int, list[Plan]]], clock
+    model: DFlashModel,
+    rows: list[Row],
+    cache,
+    passes: list[tuple[int, list[Plan]]],
+    clock,
+    planner: Optional[Planner] = None,
 ) -> list[tuple[int, Pass]]:
     """The step's passes, as (first row, pass), the caches checkpointed first: lazily when
     there is one; each computed before the next is built when there are two (a pass writes
     into the batch's arrays in place only once the one before has read them, and its time is
-    its own)."""
+    its own).  The `planner` may cut a pass's verify by its drafts' confidence (`build`)."""
     if any(plan.width > 1 for _, plans in passes for plan in plans):
         cache.checkpoint()
     if len(passes) == 1:
-        return [(0, build(model, rows, passes[0][1], None, 0, cache))]
+        return [(0, build(model, rows, passes[0][1], None, 0, cache, planner))]
     done = []
     for start, plans in passes:
         tic, stop = clock(), start + len(plans)
-        current = build(model, rows[start:stop], plans, None, 0, cache.rows(start, stop))
+        current = build(model, rows[start:stop], plans, None, 0, cache.rows(start, stop), planner)
         mx.eval(current.outputs, tree_arrays([c.state for c in cache.layers]))
         PHASES.evaluated()
         current.seconds = clock() - tic
@@ -103,31 +111,68 @@ def build_passes(
     return done
 
 
-def build(model: DFlashModel, rows: list[Row], plans: list[Plan], lasts: Optional[mx.array], ahead: int, cache) -> Pass:
+def build(
+    model: DFlashModel,
+    rows: list[Row],
+    plans: list[Plan],
+    lasts: Optional[mx.array],
+    ahead: int,
+    cache,
+    planner: Optional[Planner] = None,
+) -> Pass:
     """One target pass on `cache` verifying each row's proposal after its last token, lazily:
     `lasts` (rows,) when those tokens are not yet read (a pass queued behind the one choosing
     them; every row plain), else each row's committed last; `ahead`: the output positions a
-    pass not yet read has taken."""
+    pass not yet read has taken.  Where the `planner` says a narrower verify may pay, the
+    drafts are read first and the verify cut by their confidence (`cut`)."""
     width = max(plan.width for plan in plans)
     noises = [row.noise_at(row.produced + ahead, plan.width) for row, plan in zip(rows, plans)]
-    blocks = lasts[:, None] if lasts is not None else propose(model, rows, plans, width, noises)
-    if any(plan.source == "dflash" for plan in plans):
-        mx.async_eval(blocks)  # the drafter computes while the target's graph is built
+    confidences = None
+    if lasts is not None:
+        blocks = lasts[:, None]
+    else:
+        blocks, confidence = propose(model, rows, plans, width, noises)
+        if planner is not None and planner.cuts(rows, plans):
+            plans, blocks, confidences = cut(planner, rows, plans, blocks, confidence)
+            noises = [None if noise is None else noise[: plan.width] for noise, plan in zip(noises, plans)]
+        elif any(plan.source == "dflash" for plan in plans):
+            mx.async_eval(blocks)  # the drafter computes while the target's graph is built
     PHASES.lap("draft", blocks)
     logits, features = model.target(blocks, cache, model.feature_layers)
     accepted, next_tokens = choices(rows, plans, blocks, logits, noises)
-    return Pass([row.uid for row in rows], plans, blocks, accepted, next_tokens, logits, features)
+    return Pass([row.uid for row in rows], plans, blocks, accepted, next_tokens, logits, features, 0.0, confidences)
 
 
-def propose(model: DFlashModel, rows: list[Row], plans: list[Plan], width: int, noises: list) -> mx.array:
+def cut(
+    planner: Planner, rows: list[Row], plans: list[Plan], blocks: mx.array, confidence: mx.array
+) -> tuple[list[Plan], mx.array, list]:
+    """The drafts and their confidence read (an evaluation before the verify is built), and the
+    plans cut by them (`Planner.cut`), the blocks to the widest: (plans, blocks, each row's
+    drafted tokens' confidences, None where it did not draft)."""
+    mx.eval(blocks, confidence)
+    PHASES.evaluated()
+    read = confidence.tolist()
+    confidences = [
+        read[i][: plan.width - 1] if plan.source == "dflash" and plan.width > 1 else None
+        for i, plan in enumerate(plans)
+    ]
+    plans = planner.cut(rows, plans, confidences)
+    return plans, blocks[:, : max(plan.width for plan in plans)], confidences
+
+
+def propose(
+    model: DFlashModel, rows: list[Row], plans: list[Plan], width: int, noises: list
+) -> tuple[mx.array, mx.array]:
     """(rows, width): each row's last token, its proposal (copied tokens, or its drafter's: one
     drafter pass for the rows drafting at one width, its weights read once for them all), then
-    padding (never accepted: past the proposal)."""
+    padding (never accepted: past the proposal); and (rows, width - 1) the drafter's confidence
+    in each drafted token (0 where nothing was drafted)."""
     known = [[row.token, *plan.tokens] + [0] * (width - 1 - len(plan.tokens)) for row, plan in zip(rows, plans)]
     blocks = mx.array(known, dtype=mx.int32)
+    confidence = mx.zeros((len(rows), width - 1))
     for w in sorted({plan.width for plan in plans if plan.source == "dflash"}):
         drafting = [i for i, plan in enumerate(plans) if plan.source == "dflash" and plan.width == w]
-        drafted = draft_rows(
+        drafted, drafted_confidence = draft_rows(
             model,
             [rows[i].token for i in drafting],
             [rows[i].context for i in drafting],
@@ -136,9 +181,10 @@ def propose(model: DFlashModel, rows: list[Row], plans: list[Plan], width: int, 
             [noises[i] for i in drafting],
         )
         if len(drafting) == len(rows) and w == width:
-            return mx.concatenate([blocks[:, :1], drafted], axis=1)
+            return mx.concatenate([blocks[:, :1], drafted], axis=1), drafted_confidence
         blocks[mx.array(drafting), 1:w] = drafted
-    return blocks
+        confidence[mx.array(drafting), : w - 1] = drafted_confidence
+    return blocks, confidence
 
 
 def draft_rows(
@@ -148,12 +194,12 @@ def draft_rows(
     width: int,
     params: list[SamplingParams],
     noises: list[Optional[mx.array]],
-) -> mx.array:
+) -> Drafts:
     """(rows, width - 1): each row's drafted tokens after its last token, in one drafter pass,
     with the noise of their output positions (`noises` cover the whole verify block): what it
-    drafts alone."""
+    drafts alone; and the drafter's confidence in them."""
     blocks = mx.array([[last] + [model.draft.mask_token_id] * (width - 1) for last in lasts], dtype=mx.int32)
-    return model.draft.propose_rows(
+    return model.draft.drafts(
         blocks,
         [c.cache for c in contexts],
         params,
@@ -256,6 +302,7 @@ def learn(planner: Optional[Planner], done: list[tuple[int, Pass]], rows: list[R
         part = rows[start : start + len(current.plans)]
         if planner is not None:
             share = seconds if len(done) == 1 else current.seconds * seconds / sum(c.seconds for _, c in done)
-            planner.learn(part, current.plans, [k - 1 for k in keeps[start : start + len(part)]], share)
+            accepted = [k - 1 for k in keeps[start : start + len(part)]]
+            planner.learn(part, current.plans, accepted, share, current.confidences)
         for row in part:
             row.stats.decode_seconds += seconds

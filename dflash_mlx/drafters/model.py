@@ -11,7 +11,7 @@ copied or saved.  Block keys/values are never cached, so the drafter has nothing
 to roll back: its cache only ever grows by committed positions.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,6 +21,16 @@ from .config import CODEBOOKS, DraftArgs, check_pair
 from .dflash import ContextKV, ContextRows, DraftLayer, FreshContext, block_positions
 from .dflash2 import CandidateSelector, DFlash2Layer
 from .vocab import DraftVocabulary
+
+
+class Drafts(NamedTuple):
+    """A drafting pass's tokens (rows, L-1) and their confidence (rows, L-1): the drafter's top
+    probability at each position (its logits at the row's temperature, 1 when greedy), which
+    foretells whether the target agrees there.  It is the position's distribution's, not the
+    drawn token's: a verify cut by it keeps the target's output what it would have been."""
+
+    tokens: mx.array
+    confidence: mx.array
 
 
 class DFlashDraftModel(nn.Module):
@@ -124,21 +134,36 @@ class DFlashDraftModel(nn.Module):
         context, sampling parameters and noise: what each would draft alone, (R, L-1), up to
         the float rounding of new context (`fresh`: each row's target features not yet in its
         cache, (1, S, n_layers * hidden) or None, injected by this pass)."""
+        return self.drafts(blocks, caches, params, noises, fresh).tokens
+
+    def drafts(
+        self,
+        blocks: mx.array,
+        caches: list[list[ContextKV]],
+        params: list[SamplingParams],
+        noises: list[Optional[mx.array]],
+        fresh: Optional[list[Optional[mx.array]]] = None,
+    ) -> Drafts:
+        """propose_rows()'s tokens, and how confident the drafter is in each (lazily: computed
+        only when read)."""
         contexts = self._contexts(blocks, caches, fresh or [None] * len(caches))
         ids = self.vocab_ids
+        greedy = all(row_params.greedy for row_params in params)
         if self.args.dflash2:
             hidden = self.run_layers(blocks, contexts)[:, 1:]
             logits = self.logits(hidden)
-            if all(row_params.greedy for row_params in params):
-                return self.candidate_selector.walk(hidden, logits, blocks[:, 0], ids, 0.0, None)  # every row in one
-            return mx.stack(
-                [
-                    self.candidate_selector.walk(hidden[i], logits[i], blocks[i, 0], ids, row_params.temp, noise)
-                    for i, (row_params, noise) in enumerate(zip(params, noises))
-                ]
-            )
+            if greedy:
+                tokens = self.candidate_selector.walk(hidden, logits, blocks[:, 0], ids, 0.0, None)  # every row in one
+            else:
+                tokens = mx.stack(
+                    [
+                        self.candidate_selector.walk(hidden[i], logits[i], blocks[i, 0], ids, row_params.temp, noise)
+                        for i, (row_params, noise) in enumerate(zip(params, noises))
+                    ]
+                )
+            return Drafts(tokens, top_probability(logits, params))
         logits = self(blocks, contexts)
-        if all(row_params.greedy for row_params in params):
+        if greedy:
             choices = mx.argmax(logits, axis=-1)  # every row in one
         else:
             choices = mx.stack(
@@ -147,7 +172,7 @@ class DFlashDraftModel(nn.Module):
                     for i, (row_params, noise) in enumerate(zip(params, noises))
                 ]
             )
-        return choices if ids is None else ids[choices]
+        return Drafts(choices if ids is None else ids[choices], top_probability(logits, params))
 
     def _contexts(self, blocks: mx.array, caches: list[list[ContextKV]], fresh: list[Optional[mx.array]]) -> list:
         """Each layer's attention context for a pass over `blocks`, the `fresh` features in:
@@ -182,3 +207,11 @@ class DFlashDraftModel(nn.Module):
                 continue
             out[f"{name}.weight" if name in CODEBOOKS else name] = value
         return out
+
+
+def top_probability(logits: mx.array, params: list[SamplingParams]) -> mx.array:
+    """(rows, positions) the largest probability of each row's softmax(logits / temperature)
+    (temperature 1 for a greedy row)."""
+    temps = mx.array([1.0 if row_params.greedy else row_params.temp for row_params in params])[:, None, None]
+    scaled = logits.astype(mx.float32) / temps
+    return mx.exp(scaled.max(axis=-1) - mx.logsumexp(scaled, axis=-1))
