@@ -55,7 +55,7 @@ from .lookup import MATCH_BUCKETS, Match
 from ..sampling import SamplingParams
 
 COPIES = ("lookup", "suffix")  # sources that copy earlier tokens (no drafter pass)
-CUT_PAYS = 1.25  # a step's verify must cost this many plain passes before its drafts are read to cut it
+CUT_PAYS = 1.1  # a step's verify must cost this many plain passes before its drafts are read to cut it
 
 
 @dataclass
