@@ -137,6 +137,10 @@ def main():
     args = parser.parse_args()
     if args.command == "replay" and not args.table.is_file():
         parser.error(f"no recording at {args.table}: make one with `python bench/plan_replay.py record`")
+    if args.command == "replay" and "confidence" not in json.loads(args.table.read_text())["prompts"][0]:
+        parser.error(
+            f"{args.table} holds no drafts' confidences: make it again with `python bench/plan_replay.py record`"
+        )
     if args.command == "record":
         record(args)
     else:
