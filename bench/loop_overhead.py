@@ -156,7 +156,7 @@ def pass_ops(model: DFlashModel, prompt: mx.array, width: int) -> tuple[int, int
     model.draft.add_context(features[:, :-1], dcache)
     mx.eval(features, [c.state for c in dcache])
     block = mx.array([[0] + [model.draft.mask_token_id] * (width - 1)])
-    drafted = model.draft.propose_rows(block, [dcache], [SamplingParams()], [None], [features[:, -1:]])
+    drafted = model.draft.drafts(block, [dcache], [SamplingParams()], [None], [features[:, -1:]]).tokens
     draft_ops = graph_ops(drafted)
     mx.eval(drafted)
     cache.checkpoint()

@@ -43,7 +43,7 @@ class Context:
 
     def take(self) -> Optional[mx.array]:
         """The pending features (1, S, n_layers * hidden), no longer pending (None: none): the
-        drafter's next pass injects them (propose_rows' `fresh`)."""
+        drafter's next pass injects them (`DFlashDraftModel.drafts`' `fresh`)."""
         if not self.pending:
             return None
         features = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=1)

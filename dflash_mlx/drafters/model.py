@@ -120,21 +120,7 @@ class DFlashDraftModel(nn.Module):
         """The drafted tokens (L-1,) for block = [last token, mask...] (batch 1); `noise`
         (L-1, full vocab) is the Gumbel noise of their output positions when sampling.
         DFlash 1 samples each position from its logits, DFlash 2 walks its selector."""
-        return self.propose_rows(block, [cache], [params], [noise])[0]
-
-    def propose_rows(
-        self,
-        blocks: mx.array,
-        caches: list[list[ContextKV]],
-        params: list[SamplingParams],
-        noises: list[Optional[mx.array]],
-        fresh: Optional[list[Optional[mx.array]]] = None,
-    ) -> mx.array:
-        """propose() for several rows' blocks (R, L) in one pass, each row with its own
-        context, sampling parameters and noise: what each would draft alone, (R, L-1), up to
-        the float rounding of new context (`fresh`: each row's target features not yet in its
-        cache, (1, S, n_layers * hidden) or None, injected by this pass)."""
-        return self.drafts(blocks, caches, params, noises, fresh).tokens
+        return self.drafts(block, [cache], [params], [noise]).tokens[0]
 
     def drafts(
         self,
@@ -144,8 +130,11 @@ class DFlashDraftModel(nn.Module):
         noises: list[Optional[mx.array]],
         fresh: Optional[list[Optional[mx.array]]] = None,
     ) -> Drafts:
-        """propose_rows()'s tokens, and how confident the drafter is in each (lazily: computed
-        only when read)."""
+        """propose() for several rows' blocks (R, L) in one pass, each row with its own
+        context, sampling parameters and noise: what each would draft alone, (R, L-1), up to
+        the float rounding of new context (`fresh`: each row's target features not yet in its
+        cache, (1, S, n_layers * hidden) or None, injected by this pass); and how confident the
+        drafter is in each token (lazily: computed only when read)."""
         contexts = self._contexts(blocks, caches, fresh or [None] * len(caches))
         ids = self.vocab_ids
         greedy = all(row_params.greedy for row_params in params)
