@@ -131,9 +131,9 @@ def build(
     if lasts is not None:
         blocks = lasts[:, None]
     else:
-        blocks, confidence = propose(model, rows, plans, width, noises)
+        blocks, drafted = propose(model, rows, plans, width, noises)
         if planner is not None and planner.cuts(rows, plans):
-            plans, blocks, confidences = cut(planner, rows, plans, blocks, confidence)
+            plans, blocks, confidences = cut(planner, rows, plans, blocks, drafted)
             noises = [None if noise is None else noise[: plan.width] for noise, plan in zip(noises, plans)]
         elif any(plan.source == "dflash" for plan in plans):
             mx.async_eval(blocks)  # the drafter computes while the target's graph is built
@@ -144,35 +144,34 @@ def build(
 
 
 def cut(
-    planner: Planner, rows: list[Row], plans: list[Plan], blocks: mx.array, confidence: mx.array
+    planner: Planner, rows: list[Row], plans: list[Plan], blocks: mx.array, drafted: list[tuple[list[int], mx.array]]
 ) -> tuple[list[Plan], mx.array, list]:
-    """The drafts and their confidence read (an evaluation before the verify is built), and the
-    plans cut by them (`Planner.cut`), the blocks to the widest: (plans, blocks, each row's
-    drafted tokens' confidences, None where it did not draft)."""
-    mx.eval(blocks, confidence)
+    """The drafts and their confidence (`drafted`: propose's) read (an evaluation before the
+    verify is built), and the plans cut by them (`Planner.cut`), the blocks to the widest:
+    (plans, blocks, each row's drafted tokens' confidences, None where it did not draft)."""
+    mx.eval(blocks, [confidence for _, confidence in drafted])
     PHASES.evaluated()
-    read = confidence.tolist()
-    confidences = [
-        read[i][: plan.width - 1] if plan.source == "dflash" and plan.width > 1 else None
-        for i, plan in enumerate(plans)
-    ]
+    confidences = [None] * len(rows)
+    for drafting, confidence in drafted:
+        for i, row_confidence in zip(drafting, confidence.tolist()):
+            confidences[i] = row_confidence
     plans = planner.cut(rows, plans, confidences)
     return plans, blocks[:, : max(plan.width for plan in plans)], confidences
 
 
 def propose(
     model: DFlashModel, rows: list[Row], plans: list[Plan], width: int, noises: list
-) -> tuple[mx.array, mx.array]:
+) -> tuple[mx.array, list[tuple[list[int], mx.array]]]:
     """(rows, width): each row's last token, its proposal (copied tokens, or its drafter's: one
     drafter pass for the rows drafting at one width, its weights read once for them all), then
-    padding (never accepted: past the proposal); and (rows, width - 1) the drafter's confidence
-    in each drafted token (0 where nothing was drafted)."""
+    padding (never accepted: past the proposal); and each drafter pass's rows (indices) with the
+    drafter's confidence in their drafted tokens (lazily: computed only where a cut reads it)."""
     known = [[row.token, *plan.tokens] + [0] * (width - 1 - len(plan.tokens)) for row, plan in zip(rows, plans)]
     blocks = mx.array(known, dtype=mx.int32)
-    confidence = mx.zeros((len(rows), width - 1))
+    confidences = []
     for w in sorted({plan.width for plan in plans if plan.source == "dflash"}):
         drafting = [i for i, plan in enumerate(plans) if plan.source == "dflash" and plan.width == w]
-        drafted, drafted_confidence = draft_rows(
+        drafted, confidence = draft_rows(
             model,
             [rows[i].token for i in drafting],
             [rows[i].context for i in drafting],
@@ -180,11 +179,11 @@ def propose(
             [rows[i].params for i in drafting],
             [noises[i] for i in drafting],
         )
+        confidences.append((drafting, confidence))
         if len(drafting) == len(rows) and w == width:
-            return mx.concatenate([blocks[:, :1], drafted], axis=1), drafted_confidence
+            return mx.concatenate([blocks[:, :1], drafted], axis=1), confidences
         blocks[mx.array(drafting), 1:w] = drafted
-        confidence[mx.array(drafting), : w - 1] = drafted_confidence
-    return blocks, confidence
+    return blocks, confidences
 
 
 def draft_rows(
