@@ -210,31 +210,44 @@ def widths_until_done(decoder: Decoder) -> tuple[dict, list[int]]:
     return out, widths
 
 
-@pytest.mark.parametrize("model_type", by_family(["llama", "qwen3_5", "gpt_oss", "gemma3_text"]))
-def test_plain_and_drafting_steps_in_turn_are_lossless(model_type):
-    """Every drafting step right after a plain one (a sliding window a one-token step rotated,
-    then a verify; a GatedDeltaNet state stepped once, then checkpointed): the outputs are the
-    plain ones, alone and batched, greedy and seeded sampling (the same noise per position)."""
-    target = tiny_target(model_type, seed=2)
+def widths_of_lossless_runs(target, alone: Planner, batched: Planner, sampled: Planner) -> list[list[int]]:
+    """PROMPTS decoded greedy with an oracle drafter by `alone`'s planner one at a time and by
+    `batched`'s together, then seeded sampling with a random drafter by `sampled`'s: each output
+    the plain one.  Each run's step widths."""
     oracle, references = oracle_for(target, PROMPTS, 24)
-    cpu = cost_model(0.1)
-    for max_batch in (1, 8):
-        decoder = Decoder(DFlashModel(target, oracle), max_batch=max_batch, learning=Learning(Alternating(cpu, 4)))
+    runs = []
+    for max_batch, planner in ((1, alone), (8, batched)):
+        decoder = Decoder(DFlashModel(target, oracle), max_batch=max_batch, learning=Learning(planner))
         uids = [decoder.add(Request(list(p), 24, SamplingParams())).uid for p in PROMPTS]
         out, widths = widths_until_done(decoder)
-        assert sum(a == 1 and b > 1 for a, b in zip(widths, widths[1:])) >= 6, widths
+        runs.append(widths)
         for uid, prompt, reference in zip(uids, PROMPTS, references):
-            assert out[uid] == reference[len(prompt) : len(prompt) + 24], (model_type, max_batch)
+            assert out[uid] == reference[len(prompt) : len(prompt) + 24], (target.model_type, max_batch)
     model = DFlashModel(target, random_draft(target, block_size=4))
     params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
     plain = [
         [t for s in decode(model, Request(list(p), 16, sp, seed=7 + i, block_size=1)) for t in s.tokens]
         for i, (p, sp) in enumerate(zip(PROMPTS, params))
     ]
-    decoder = Decoder(model, learning=Learning(Alternating(cpu, 4)))
+    decoder = Decoder(model, learning=Learning(sampled))
     uids = [decoder.add(Request(list(p), 16, sp, seed=7 + i)).uid for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     out, widths = widths_until_done(decoder)
-    assert 1 in widths and max(widths) > 1 and [out[u] for u in uids] == plain
+    assert [out[u] for u in uids] == plain
+    return runs + [widths]
+
+
+@pytest.mark.parametrize("model_type", by_family(["llama", "qwen3_5", "gpt_oss", "gemma3_text"]))
+def test_plain_and_drafting_steps_in_turn_are_lossless(model_type):
+    """Every drafting step right after a plain one (a sliding window a one-token step rotated,
+    then a verify; a GatedDeltaNet state stepped once, then checkpointed): the outputs are the
+    plain ones, alone and batched, greedy and seeded sampling (the same noise per position)."""
+    cpu = cost_model(0.1)
+    alone, batched, sampled = widths_of_lossless_runs(
+        tiny_target(model_type, seed=2), Alternating(cpu, 4), Alternating(cpu, 4), Alternating(cpu, 4)
+    )
+    for widths in (alone, batched):
+        assert sum(a == 1 and b > 1 for a, b in zip(widths, widths[1:])) >= 6, widths
+    assert 1 in sampled and max(sampled) > 1
 
 
 class Cutting(Alternating):
@@ -265,28 +278,12 @@ def test_verifies_cut_after_their_drafts_are_read_are_lossless(model_type):
     """Drafted verifies cut to any width after the drafts are read (to 1 after the caches were
     checkpointed: nothing to roll back), rows of a batch to different ones: the outputs are the
     plain ones, alone and batched, greedy and seeded sampling."""
-    target = tiny_target(model_type, seed=2)
-    oracle, references = oracle_for(target, PROMPTS, 24)
     cpu = cost_model(0.1)
-    for max_batch in (1, 8):
-        planner = Cutting(cpu, 6, seed=max_batch)
-        decoder = Decoder(DFlashModel(target, oracle), max_batch=max_batch, learning=Learning(planner))
-        uids = [decoder.add(Request(list(p), 24, SamplingParams())).uid for p in PROMPTS]
-        out, widths = widths_until_done(decoder)
+    alone, batched, sampled = Cutting(cpu, 6, seed=1), Cutting(cpu, 6, seed=8), Cutting(cpu, 4, seed=3)
+    widths_of_lossless_runs(tiny_target(model_type, seed=2), alone, batched, sampled)
+    for planner in (alone, batched):
         assert 1 in planner.cut_widths and max(planner.cut_widths) > 2, planner.cut_widths
-        for uid, prompt, reference in zip(uids, PROMPTS, references):
-            assert out[uid] == reference[len(prompt) : len(prompt) + 24], (model_type, max_batch)
-    model = DFlashModel(target, random_draft(target, block_size=4))
-    params = [SamplingParams(temp=0.8), SamplingParams(temp=1.0, top_p=0.9), SamplingParams(temp=0.6, top_k=5)]
-    plain = [
-        [t for s in decode(model, Request(list(p), 16, sp, seed=7 + i, block_size=1)) for t in s.tokens]
-        for i, (p, sp) in enumerate(zip(PROMPTS, params))
-    ]
-    planner = Cutting(cpu, 4, seed=3)
-    decoder = Decoder(model, learning=Learning(planner))
-    uids = [decoder.add(Request(list(p), 16, sp, seed=7 + i)).uid for i, (p, sp) in enumerate(zip(PROMPTS, params))]
-    out, _ = widths_until_done(decoder)
-    assert planner.cut_widths and [out[u] for u in uids] == plain
+    assert sampled.cut_widths
 
 
 def test_the_planner_cuts_drafted_verifies_on_a_steep_curve_and_stays_lossless():
