@@ -21,7 +21,9 @@ cache and the drafter's pass, each timed alone, round-robin) and, per prompt, th
 gain: what it would gain if each of its cycles cost only its target pass and its drafter pass as
 timed alone, and a plain token one 1-token pass.  The verify-bound gain's distance from tau is
 what the verify costs on this machine; the measured gain's distance from it is what the loop's
-host work (and what the curve does not model) leaves.
+host work (and what the curve does not model) leaves.  Last, each kind of cycle (plain, drafted,
+copied; by width) with its median wall time beside the curve's charge for it: the loop's own
+work per kind of cycle.
 """
 
 import argparse
@@ -147,6 +149,36 @@ def print_verify_bound(model, measured: list) -> None:
         print(f"| {i} | {stats.tau:.2f} | {bound:.2f}x | {gain:.2f}x | {shares[-1]:.2f} |")
     bounds = [verify_bound(cost, stats) for _, stats in measured]
     print(f"\nmedian verify-bound gain {median(bounds):.2f}x; measured / verify-bound {median(shares):.2f} (median)")
+    print_step_costs(cost, [stats for _, stats in measured])
+
+
+def step_kind(source: str, width: int) -> tuple[int, str, str]:
+    """(order, proposer, widths) of a cycle: plain, drafted (width 1: a verify cut to nothing) or a copy."""
+    proposer = "copy" if source in COPIES else source
+    order = ("plain", "dflash", "copy").index(proposer)
+    return (
+        order,
+        proposer,
+        next(label for top, label in ((1, "1"), (2, "2"), (8, "3-8"), (1 << 30, "9+")) if width <= top),
+    )
+
+
+def print_step_costs(cost: CostModel, measured: list[DecodeStats]) -> None:
+    """Each kind of cycle's wall time (median over every prompt's cycles of that kind) beside what
+    the curve charges it: its target pass and, drafted, the drafter's pass at its verify's width
+    (a verify cut narrower drafted wider).  What lies beyond the curve is the loop's own work (a
+    plain step queued behind the one before runs beside it: it can take less)."""
+    kinds: dict[tuple, list[tuple[float, float]]] = {}
+    for stats in measured:
+        for width, source, seconds in zip(stats.widths, stats.sources, stats.cycle_seconds):
+            curve = cost.cycle(width, drafted=source == "dflash")
+            kinds.setdefault(step_kind(source, width), []).append((seconds, curve))
+    print("\n| cycle | widths | cycles | ms a cycle (median) | the curve's | beyond it |\n|---|---|---|---|---|---|")
+    for (_, proposer, widths), cycles in sorted(kinds.items()):
+        wall, curve = median(s for s, _ in cycles), median(c for _, c in cycles)
+        print(
+            f"| {proposer} | {widths} | {len(cycles)} | {1e3 * wall:.1f} | {1e3 * curve:.1f} | {1e3 * (wall - curve):+.1f} |"
+        )
 
 
 if __name__ == "__main__":

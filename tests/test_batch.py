@@ -314,6 +314,16 @@ def test_rows_keep_different_lengths_in_one_step():
         step = decoder.step()
         mixed += len({len(s.tokens) for s in step.steps.values()}) > 1
     assert mixed >= 3 and all(s.tau > 2 for s in stats)
+    assert all(len(s.cycle_seconds) == s.cycles and min(s.cycle_seconds) > 0 for s in stats)  # each its step's time
+
+
+def test_a_dropped_cycle_takes_its_time_with_it():
+    """A last cycle that committed none of the answer (an EOS first) is not counted, nor its time."""
+    stats = DecodeStats(accepted_lengths=[2, 3], widths=[4, 4], sources=["dflash"] * 2, cycle_seconds=[0.1, 0.2])
+    stats.keep_of_last_cycle(2)
+    assert stats.accepted_lengths == [2, 2] and stats.cycle_seconds == [0.1, 0.2]
+    stats.keep_of_last_cycle(0)
+    assert stats.cycles == 1 and stats.cycle_seconds == [0.1]
 
 
 def test_rows_join_and_leave_mid_decode(monkeypatch):

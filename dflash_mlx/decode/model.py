@@ -45,6 +45,7 @@ class DecodeStats:
     sources: list[str] = field(default_factory=list)  # what proposed each cycle: plain, dflash, lookup or suffix
     prompt_seconds: float = 0.0  # until the first token is out
     decode_seconds: float = 0.0  # after it
+    cycle_seconds: list[float] = field(default_factory=list)  # each cycle's wall time (its step's)
     cached_tokens: int = 0  # prompt tokens restored from a prompt cache instead of prefilled
 
     @property
@@ -68,6 +69,7 @@ class DecodeStats:
         else:
             for per_cycle in (self.accepted_lengths, self.widths, self.sources):
                 per_cycle.pop()
+            del self.cycle_seconds[self.cycles :]  # the dropped cycle's time, where it was kept
 
     @property
     def histogram(self) -> list[int]:

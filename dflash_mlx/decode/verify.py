@@ -305,3 +305,5 @@ def learn(planner: Optional[Planner], done: list[tuple[int, Pass]], rows: list[R
             planner.learn(part, current.plans, accepted, share, current.confidences)
         for row in part:
             row.stats.decode_seconds += seconds
+            if len(row.stats.cycle_seconds) < row.stats.cycles:  # not a row whose tokens were refused
+                row.stats.cycle_seconds.append(seconds)
