@@ -41,15 +41,16 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 from dflash_mlx.api import format_prompt, load
 from dflash_mlx.bench.harness import machine
 from dflash_mlx.bench.prompt_sets import load_prompts
+from dflash_mlx.bench.replay import cycle_class
 from dflash_mlx.bench.turns import Turns, decode_in_turns
 from dflash_mlx.decode.costs import CostModel, measure_costs
 from dflash_mlx.decode.learning import Learning, keep, kept, without_answers
 from dflash_mlx.decode.model import DecodeStats
+from dflash_mlx.decode.plan import is_copy
 from dflash_mlx.kernels.metal import chip_name
 from dflash_mlx.train.data import read_data
 
 HELD_OUT = Path(__file__).parents[1] / "data" / "smollm2-135m"
-COPIES = ("lookup", "suffix")
 
 
 def verify_bound(cost: CostModel, stats: DecodeStats) -> float:
@@ -99,7 +100,7 @@ def main():
         gain, stats = mine.tokens_per_second / plain.tokens_per_second, mine.stats
         gains.setdefault(name, []).append(gain)
         measured.append((gain, stats))
-        copies = sum(source in COPIES for source in stats.sources)
+        copies = sum(is_copy(source) for source in stats.sources)
         print(
             f"| {name} | {i} | {plain.tokens_per_second:.1f} | {mine.tokens_per_second:.1f} | {gain:.2f}x | "
             f"{stats.tau:.2f} | {copies} of {stats.cycles} | {mine.tokens == plain.tokens} |"
@@ -152,29 +153,18 @@ def print_verify_bound(model, measured: list) -> None:
     print_step_costs(cost, [stats for _, stats in measured])
 
 
-def step_kind(source: str, width: int) -> tuple[int, str, str]:
-    """(order, proposer, widths) of a cycle: plain, drafted (width 1: a verify cut to nothing) or a copy."""
-    proposer = "copy" if source in COPIES else source
-    order = ("plain", "dflash", "copy").index(proposer)
-    return (
-        order,
-        proposer,
-        next(label for top, label in ((1, "1"), (2, "2"), (8, "3-8"), (1 << 30, "9+")) if width <= top),
-    )
-
-
 def print_step_costs(cost: CostModel, measured: list[DecodeStats]) -> None:
     """Each kind of cycle's wall time (median over every prompt's cycles of that kind) beside what
     the curve charges it: its target pass and, drafted, the drafter's pass at its verify's width
     (a verify cut narrower drafted wider).  What lies beyond the curve is the loop's own work (a
     plain step queued behind the one before runs beside it: it can take less)."""
-    kinds: dict[tuple, list[tuple[float, float]]] = {}
+    kinds: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for stats in measured:
         for width, source, seconds in zip(stats.widths, stats.sources, stats.cycle_seconds):
             curve = cost.cycle(width, drafted=source == "dflash")
-            kinds.setdefault(step_kind(source, width), []).append((seconds, curve))
+            kinds.setdefault(cycle_class(source, width), []).append((seconds, curve))
     print("\n| cycle | widths | cycles | ms a cycle (median) | the curve's | beyond it |\n|---|---|---|---|---|---|")
-    for (_, proposer, widths), cycles in sorted(kinds.items()):
+    for (proposer, widths), cycles in sorted(kinds.items()):
         wall, curve = median(s for s, _ in cycles), median(c for _, c in cycles)
         print(
             f"| {proposer} | {widths} | {len(cycles)} | {1e3 * wall:.1f} | {1e3 * curve:.1f} | {1e3 * (wall - curve):+.1f} |"

@@ -169,18 +169,21 @@ def bounds(recorded: Recorded, cost: CostModel, block: int, tokens: int) -> tupl
     return widest, fixed[widest], plain / best[1]
 
 
+def cycle_class(kind: str, width: int) -> tuple[str, str]:
+    """(proposer, widths) a cycle is reported under: plain, dflash (the drafter; width 1: a verify
+    cut to nothing) or copy (any copy's source or kind), and its width's class."""
+    widths = next(label for top, label in ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (1 << 30, "9+")) if width <= top)
+    return "copy" if is_copy(kind) else kind, widths
+
+
 def calibration(replayed: list[Replayed]) -> dict[tuple[str, str], tuple[int, float, float]]:
     """(drafter or copy, widths) -> (cycles, tokens expected per cycle, tokens committed per
     cycle): how well the planner's acceptance estimates foretold what its wider steps committed."""
     groups: dict[tuple[str, str], list[Cycle]] = {}
     for one in replayed:
         for cycle in one.cycles:
-            if cycle.width == 1:
-                continue
-            widths = next(
-                label for top, label in ((2, "2"), (4, "3-4"), (8, "5-8"), (1 << 30, "9+")) if cycle.width <= top
-            )
-            groups.setdefault(("copy" if is_copy(cycle.kind) else cycle.kind, widths), []).append(cycle)
+            if cycle.width > 1:
+                groups.setdefault(cycle_class(cycle.kind, cycle.width), []).append(cycle)
     return {
         key: (
             len(cycles),
