@@ -553,11 +553,12 @@ def decode_all(decoder: Decoder, references: list, max_tokens: int = 30) -> list
 
 
 def assert_settles_plain(shapes: list) -> None:
-    """Mostly plain steps, and no verify shape run again once its cost was seen but the drafter's
-    probes (width 2, tried again at doubling gaps)."""
+    """Mostly plain steps, and verify shapes run only until their cost was seen (two steps: one
+    is no judgement; a step whose rows were verified apart, in passes of other batch sizes, counts
+    under its own) but the drafter's probes (width 2, tried again at doubling gaps)."""
     wide = Counter(shape for shape in shapes if shape[1] > 2)
     probes = sum(width == 2 for _, width in shapes)
-    assert max(wide.values(), default=1) == 1 and len(wide) + probes <= len(shapes) // 4
+    assert max(wide.values(), default=1) <= 3 and len(wide) + probes <= len(shapes) // 4
 
 
 class WideIsSlow:
@@ -657,9 +658,12 @@ def test_step_times_learn_each_shape_and_guess_the_others():
     times = StepTimes()
     assert times.ratio(4, 2) == 1.0  # nothing run yet: the cost curve
     times.observe(4, 8, modelled=0.2, seconds=0.5)
+    assert times.ratio(4, 8) == 1.0  # one step is no judgement: the curve counts as one of a few runs
+    times.observe(4, 8, modelled=0.2, seconds=0.5)
     assert times.ratio(4, 8) == pytest.approx(2.5) and times.ratio(2, 2) == pytest.approx(2.5)
     assert times.ratio(4, 1) == 1.0  # plain steps are judged by plain steps only
-    times.observe(4, 1, modelled=0.1, seconds=0.13)
+    for _ in range(2):
+        times.observe(4, 1, modelled=0.1, seconds=0.13)
     assert times.ratio(4, 1) == pytest.approx(1.3) and times.ratio(8, 1) == pytest.approx(1.3)
     assert times.ratio(2, 2) == pytest.approx(1.3)  # as many tokens as a run shape
     assert times.ratio(1, 2) == pytest.approx(1.3)  # below every run shape: the nearest
@@ -667,11 +671,12 @@ def test_step_times_learn_each_shape_and_guess_the_others():
     assert 1.3 < times.ratio(3, 4) < 2.5  # a batch size with none: between two run shapes
     assert times.ratio(8, 8) == pytest.approx(2.5)  # past them: the nearest
     times.observe(2, 1, modelled=0.1, seconds=2.0)  # one stalled step
-    assert times.ratio(2, 1) == pytest.approx(20.0)
-    assert times.ratio(8, 1) == pytest.approx(1.3)  # a plain size not run: the cheapest plain one run
+    assert times.ratio(2, 1) == 1.0
+    assert times.ratio(8, 1) == 1.0  # a plain size not run: the cheapest plain one run
     times.observe(2, 1, modelled=0.1, seconds=0.12)
     assert times.ratio(2, 1) == pytest.approx(1.2)  # stalls only add time: the lower median
-    times.observe(4, 1, modelled=0.1, seconds=0.11)
+    for _ in range(2):
+        times.observe(4, 1, modelled=0.1, seconds=0.11)
     times.observe(4, 1, modelled=0.1, seconds=10.0)  # a stall moves the median one rank, not 100x
     assert times.ratio(4, 1) == pytest.approx(1.2)  # plain steps: pairs' means (1.3 + 1.1) / 2
     for _ in range(7):  # the last 7 steps count
@@ -702,11 +707,13 @@ def test_step_times_are_kept_for_the_next_process(tmp_path, capsys):
     back for the same curve, ignored for a re-measured one, and a broken file is a note."""
     store = tmp_path / "costs" / "pair-steps.json"
     times = StepTimes.stored(store, basis=[0.1, 0.2])
-    times.save_every = 3
+    times.save_every = 6
     times.observe(4, 1, modelled=0.1, seconds=0.13)
-    times.observe(4, 2, modelled=0.2, seconds=0.5)
+    for _ in range(2):
+        times.observe(4, 2, modelled=0.2, seconds=0.5)
+        times.observe(4, 2, modelled=0.2, seconds=0.6, span=4096)
     assert not store.exists()
-    times.observe(4, 2, modelled=0.2, seconds=0.6, span=4096)
+    times.observe(4, 1, modelled=0.1, seconds=0.13)
     again = StepTimes.stored(store, basis=[0.1, 0.2])
     assert again.ratios == times.ratios and again.ratio(2, 4) == pytest.approx(2.5)
     assert again.ratio(4, 2, span=4096) == pytest.approx(3.0)
@@ -739,22 +746,25 @@ def test_the_batch_learns_what_its_steps_really_cost():
 
 
 def test_a_plain_step_judged_too_dear_is_timed_again():
-    """Step times kept from a bad day say the plain step is dear (10x the curve) and verifying
-    cheap; the target says otherwise (WideIsSlow).  The batch re-times its plain step every
-    `explore_every` steps, finds it cheap, and settles plain; the output stays exact."""
+    """Step times kept from a bad day say the plain step is dear (10x the curve, two steps) and
+    verifying cheap; the target says otherwise (WideIsSlow).  The batch re-times its plain step
+    every `explore_every` steps, finds it cheap (two re-timings outweigh the two dear steps), and
+    settles plain; the output stays exact."""
     target = tiny_target("llama", seed=2)
     oracle, references = oracle_for(target, PROMPTS, 40)
     times = StepTimes()
     for rows in (1, 2, 3):
-        times.observe(rows, 1, modelled=1.0, seconds=10.0)
+        for _ in range(2):
+            times.observe(rows, 1, modelled=1.0, seconds=10.0)
         for width in range(2, 7):
             times.observe(rows, width, modelled=1.0, seconds=0.01)
     planner = Planner(cost_model(1.0), 6, prior=0.8, explore_every=8, step_times=times)
     slow, clock = slow_wide(target)
     shapes = decode_all(Decoder(DFlashModel(slow, oracle), clock=clock, learning=Learning(planner)), references, 40)
     three = [width for size, width in shapes if size == 3]
-    first_plain = three.index(1)
-    assert first_plain <= 8 and three[first_plain:].count(1) >= 0.8 * len(three[first_plain:])
+    retimed = [i for i, width in enumerate(three) if width == 1 and (i == 0 or three[i - 1] > 1)]
+    assert retimed[0] <= 8 and len(retimed) <= 2
+    assert three[retimed[-1] :].count(1) >= 0.8 * len(three[retimed[-1] :])
 
 
 def test_rows_drafting_together_pay_for_one_drafter_pass():

@@ -322,6 +322,40 @@ def test_adaptive_decoding_is_lossless_and_adapts():
             assert sources[20:].count("dflash") < sources[:20].count("dflash") and sources[-10:].count("dflash") <= 2
 
 
+class SetUpOnce(Timed):
+    """A target whose first verify (a pass over more than one token that is not a prefill) also
+    pays a one-off set-up: `factor` times its curve's cost."""
+
+    def __init__(self, target, clock: Clock, factor: float):
+        super().__init__(target, clock)
+        self.factor, self.set_up = factor, False
+
+    def __call__(self, tokens, *args, **kwargs):
+        if not self.set_up and tokens.shape[1] > 1 and kwargs.get("logits_at") is None:
+            self.set_up = True
+            self.clock.now += self.factor * self.clock.cost.verify(tokens.size)
+        return super().__call__(tokens, *args, **kwargs)
+
+
+def test_a_first_verify_paying_set_up_does_not_stop_drafting():
+    """Recorded on a fresh machine: the first verify took 6x the curve (compiled functions built),
+    every verify was judged that dear, the probes were cut to plain by that judgement, and every
+    prompt decoded plain (tau 1.00).  One step is no judgement of a shape."""
+    target = tiny_target("llama", seed=5)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=40)]
+    cost = cpu_like(base=0.01, draft=0.0012)
+    clock = Clock(cost)
+    model = DFlashModel(SetUpOnce(target, clock, factor=5.0), oracle_draft(target, prompt + reference + [0] * 16))
+    decoder = Decoder(model, max_batch=1, clock=clock, learning=Learning(Planner(cost, 16)))
+    row = decoder.add(Request(prompt, 40))
+    out = []
+    while decoder.busy:
+        out += [t for step in decoder.step().steps.values() for t in step.tokens]
+    assert out == reference[:40] and model.target.set_up
+    assert row.stats.tau > 4
+
+
 def test_decode_without_a_planner_is_lossless_at_every_fixed_width():
     target = tiny_target("llama", seed=5)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -372,9 +406,25 @@ def test_step_times_start_from_the_curve():
     assert StepTimes().ratio(1, 4) == 1.0
 
 
+def test_one_step_is_no_judgement_of_a_shape():
+    """Until a shape has run three times the curve counts as one of its runs: a shape's first step
+    pays the process's set-up for it (compiled functions traced, on a new machine their kernels
+    built), and a fresh machine's first verify, at 6x the curve and the only one run, judged every
+    verify that dear."""
+    times = StepTimes()
+    times.observe(1, 7, modelled=0.1, seconds=0.6)
+    assert times.ratio(1, 4) == 1.0 and times.ratio(1, 7) == 1.0
+    times.observe(1, 7, modelled=0.1, seconds=0.12)
+    assert times.ratio(1, 4) == pytest.approx(1.2)
+    for _ in range(2):
+        times.observe(2, 7, modelled=0.1, seconds=0.6)  # two steps that dear are a judgement
+    assert times.ratio(2, 4) == pytest.approx(6.0)
+
+
 def test_a_shape_judged_dear_is_forgotten_after_a_while():
     times = StepTimes(forget_after=20)
-    times.observe(1, 8, modelled=0.1, seconds=0.5)  # a bad day: width 8 at 5x the curve
+    for _ in range(2):
+        times.observe(1, 8, modelled=0.1, seconds=0.5)  # a bad day: width 8 at 5x the curve
     for _ in range(20):
         times.observe(1, 1, modelled=0.1, seconds=0.1)
     assert times.ratio(1, 8) == pytest.approx(5.0)
@@ -387,7 +437,8 @@ def test_shapes_read_back_are_trusted_for_a_while_only(tmp_path):
     process's first `trust_stored_for` steps unless it runs again; one that runs stays."""
     store = tmp_path / "steps.json"
     busy = StepTimes(store=store, basis=[1.0])
-    busy.observe(1, 16, modelled=0.1, seconds=0.5)  # width 16 at 5x the curve
+    for _ in range(2):
+        busy.observe(1, 16, modelled=0.1, seconds=0.5)  # width 16 at 5x the curve
     busy.observe(1, 1, modelled=0.1, seconds=0.3)
     busy.save()
     fresh = StepTimes.stored(store, basis=[1.0])

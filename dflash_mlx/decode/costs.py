@@ -35,6 +35,7 @@ PREFILL_CHUNK = 512  # tokens per pass while the timed caches are filled
 LONG_CONTEXT = 2048  # and the second one (its power-of-two widths only): the longer context classes' anchor
 SHORTEST_SPAN = 512
 SAMPLE_ROWS = 8
+FEW_STEPS = 3  # until a shape (a batch size's verifies) has run this often, the curve counts as one of its runs
 SAMPLING_PROBES = (SamplingParams(temp=1.0), SamplingParams(temp=1.0, top_p=0.9))  # unfiltered, filtered
 
 
@@ -200,6 +201,12 @@ class StepTimes:
     moved to that context (`by_context(tokens, span)`: the measured cost curve's `context_ratio`;
     1, the curve as timed, without one).
     A shape not run for `forget_after` steps is forgotten (judged by the shapes around it again).
+    Until a shape (for a verify, its batch size's verifies) has run `FEW_STEPS` times, the curve
+    counts as one of its runs: one step is no judgement of a shape, and the first step of a shape
+    in a process pays that process's one-off set-up for it (compiled functions traced; on a machine
+    that never ran them, their kernels built).  Traced on a fresh machine: the first verify took 6x
+    the curve, every verify was then judged that dear (the only one run), the drafter's probes were
+    cut to plain by that judgement, never timed again, and every prompt decoded plain: tau 1.00.
 
     With a `store` (a file beside the machine's cost curve), what the steps taught is kept every
     `save_every` steps and read back by the next process, so a fresh server does not pay again
@@ -225,7 +232,8 @@ class StepTimes:
         self.ratios: dict[tuple[int, int, int], float] = {}
         self.seen_at: dict[tuple[int, int, int], int] = {}  # (rows, width, span) -> the step it last ran at
         # what the planner asks for every width, worked out once per step:
-        self._verify_ratios: dict[tuple[int, int], Optional[float]] = {}  # (rows, span) -> pooled verify ratio
+        # (rows, span) -> the pooled verify ratio (None: too few runs to judge without the curve), its runs
+        self._verify_ratios: dict[tuple[int, int], tuple[Optional[float], list[float]]] = {}
         self._of_span: dict[int, dict[tuple[int, int], float]] = {}  # span -> (rows, width) -> ratio
         self.steps = 0
         self.store, self.basis, self.save_every = store, list(basis), save_every
@@ -256,7 +264,9 @@ class StepTimes:
                 ):
                     raise ValueError("not a step time")
                 times.seen[rows, width, span] = deque(ratios[-window:], maxlen=window)
-                times.ratios[rows, width, span] = times._typical(times.seen[rows, width, span], width)
+                times.ratios[rows, width, span] = times._typical(
+                    times.seen[rows, width, span], width, times.by_context(rows * width, span)
+                )
                 times.seen_at[rows, width, span] = times.trust_stored_for - times.forget_after
         except (ValueError, TypeError, KeyError, OSError) as e:  # truncated, foreign or from another version
             console.print(
@@ -267,18 +277,20 @@ class StepTimes:
         return times
 
     @staticmethod
-    def _typical(seen, width: int) -> float:
-        """The lower median of a shape's ratios (stalls only add time).  For plain steps, of the
-        means of consecutive pairs: a pipelined plain step's pass runs beside the step before,
-        and which of the two the wait lands in varies (traced: 2.0 and 0.14 in turn), so one
-        step says little and two say what a step costs."""
+    def _typical(seen, width: int, curve: float) -> float:
+        """The lower median of a shape's ratios (stalls only add time), the `curve`'s among them
+        while they are few.  For plain steps, of the means of consecutive pairs: a pipelined plain
+        step's pass runs beside the step before, and which of the two the wait lands in varies
+        (traced: 2.0 and 0.14 in turn), so one step says little and two say what a step costs."""
         seen = list(seen)
-        if width == 1 and len(seen) >= 3:
+        if len(seen) < FEW_STEPS:
+            seen.append(curve)
+        elif width == 1:
             seen = [(a + b) / 2 for a, b in zip(seen, seen[1:])]
         return median_low(seen)
 
     def ratio(self, rows: int, width: int, span: int = SHORTEST_SPAN) -> float:
-        pooled = self._verify_ratio(rows, span) if width > 1 else None
+        pooled = self._verify_ratio(rows, width, span) if width > 1 else None
         if pooled is not None:
             return pooled
         ratios = self._ratios_of_span(span)
@@ -309,15 +321,19 @@ class StepTimes:
             self._of_span[span] = {(r, w): ratio for (r, w, s), ratio in self.ratios.items() if s == span}
         return self._of_span[span]
 
-    def _verify_ratio(self, rows: int, span: int) -> Optional[float]:
+    def _verify_ratio(self, rows: int, width: int, span: int) -> Optional[float]:
         """The lower median of the last ratios of every verify run over `rows` rows in the context
-        class `span` (None: none run), worked out once per step: the planner asks for every width."""
+        class `span` (with the curve's at `width` while they are few; None: none run), worked out
+        once per step: the planner asks for every width."""
         if (rows, span) not in self._verify_ratios:
             seen = [
                 ratio for (r, w, s), last in self.seen.items() if (r, s) == (rows, span) and w > 1 for ratio in last
             ]
-            self._verify_ratios[rows, span] = median_low(seen) if seen else None
-        return self._verify_ratios[rows, span]
+            self._verify_ratios[rows, span] = (median_low(seen) if len(seen) >= FEW_STEPS else None, seen)
+        judged, seen = self._verify_ratios[rows, span]
+        if judged is not None or not seen:
+            return judged
+        return self._typical(seen, width, self.by_context(rows * width, span))
 
     def seconds(self, rows: int, width: int, modelled: float, span: int = SHORTEST_SPAN) -> float:
         return modelled * self.ratio(rows, width, span)
@@ -326,7 +342,7 @@ class StepTimes:
         shape = (rows, width, span)
         seen = self.seen.setdefault(shape, deque(maxlen=self.window))
         seen.append(max(seconds / modelled, 0.05))  # an injected clock may see a step as free
-        self.ratios[shape] = self._typical(seen, width)
+        self.ratios[shape] = self._typical(seen, width, self.by_context(rows * width, span))
         self._verify_ratios.clear()
         self._of_span.clear()
         self.steps += 1
