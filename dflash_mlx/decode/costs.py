@@ -264,9 +264,7 @@ class StepTimes:
                 ):
                     raise ValueError("not a step time")
                 times.seen[rows, width, span] = deque(ratios[-window:], maxlen=window)
-                times.ratios[rows, width, span] = times._typical(
-                    times.seen[rows, width, span], width, times.by_context(rows * width, span)
-                )
+                times.ratios[rows, width, span] = times._typical(times.seen[rows, width, span], rows, width, span)
                 times.seen_at[rows, width, span] = times.trust_stored_for - times.forget_after
         except (ValueError, TypeError, KeyError, OSError) as e:  # truncated, foreign or from another version
             console.print(
@@ -276,15 +274,14 @@ class StepTimes:
             times.seen, times.ratios, times.seen_at = {}, {}, {}
         return times
 
-    @staticmethod
-    def _typical(seen, width: int, curve: float) -> float:
-        """The lower median of a shape's ratios (stalls only add time), the `curve`'s among them
-        while they are few.  For plain steps, of the means of consecutive pairs: a pipelined plain
+    def _typical(self, seen, rows: int, width: int, span: int) -> float:
+        """The lower median of a shape's ratios (stalls only add time), the curve's (moved to the
+        context class `span`) among them while they are few.  For plain steps, of the means of consecutive pairs: a pipelined plain
         step's pass runs beside the step before, and which of the two the wait lands in varies
         (traced: 2.0 and 0.14 in turn), so one step says little and two say what a step costs."""
         seen = list(seen)
         if len(seen) < FEW_STEPS:
-            seen.append(curve)
+            seen.append(self.by_context(rows * width, span))
         elif width == 1:
             seen = [(a + b) / 2 for a, b in zip(seen, seen[1:])]
         return median_low(seen)
@@ -333,7 +330,7 @@ class StepTimes:
         judged, seen = self._verify_ratios[rows, span]
         if judged is not None or not seen:
             return judged
-        return self._typical(seen, width, self.by_context(rows * width, span))
+        return self._typical(seen, rows, width, span)
 
     def seconds(self, rows: int, width: int, modelled: float, span: int = SHORTEST_SPAN) -> float:
         return modelled * self.ratio(rows, width, span)
@@ -342,7 +339,7 @@ class StepTimes:
         shape = (rows, width, span)
         seen = self.seen.setdefault(shape, deque(maxlen=self.window))
         seen.append(max(seconds / modelled, 0.05))  # an injected clock may see a step as free
-        self.ratios[shape] = self._typical(seen, width, self.by_context(rows * width, span))
+        self.ratios[shape] = self._typical(seen, rows, width, span)
         self._verify_ratios.clear()
         self._of_span.clear()
         self.steps += 1
