@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from dflash_mlx.decode import costs
 from dflash_mlx.decode.costs import CostModel, StepTimes, measure_costs, monotone
 from dflash_mlx.decode.decoder import Decoder, decode
 from dflash_mlx.decode.learning import Learning
@@ -383,6 +384,39 @@ def test_measure_costs_gives_a_rising_curve():
         1 - 1e-9
     )
     assert cost.filtered_row > 0 and cost.sample_row > 0
+
+
+class BusyAtFirst(Timed):
+    """A target timed by `clock`'s curve, its passes of 4 tokens or more three times as long
+    for their first `busy` calls: a burst of other load while the curve is measured."""
+
+    def __init__(self, target, clock: Clock, busy: int):
+        super().__init__(target, clock)
+        self.busy, self.calls = busy, {}
+
+    def __call__(self, tokens, *args, **kwargs):
+        width = tokens.shape[1]
+        self.calls[width] = self.calls.get(width, 0) + 1
+        if width >= 4 and self.calls[width] <= self.busy:
+            self.clock.now += 2 * self.clock.cost.verify(width)
+        return super().__call__(tokens, *args, **kwargs)
+
+
+def test_a_busy_moment_does_not_shape_the_measured_curve(monkeypatch):
+    """The curve is measured once and kept: a burst of load over its first rounds (every
+    pass of 4+ tokens 3x as long for a third of them) must not make the wide verifies look as
+    cheap as the narrow ones (traced: widths 4-16 measured at one price, the medians of 5
+    rounds all disturbed)."""
+    quiet = CostModel([1, 2, 4, 8, 16], [0.010, 0.012, 0.016, 0.024, 0.040], 0.0)
+    clock = Clock(quiet)
+    monkeypatch.setattr(costs.time, "perf_counter", clock)
+    target = tiny_target("qwen3", seed=1, num_hidden_layers=2)
+    draft = random_draft(target, layer_ids=(0, 1), block_size=16)
+    busy = BusyAtFirst(target, clock, busy=6)  # the warm-up round and 5 more: a third of 15
+    cost = measure_costs(busy, draft, context=32)
+    assert cost.seconds == pytest.approx([quiet.verify(w) for w in cost.widths])
+    busy.calls.clear()
+    assert measure_costs(busy, draft, context=32, repeats=5).seconds[-1] > 2 * quiet.verify(16)  # all 5 disturbed
 
 
 def test_drafter_cost_grows_with_the_block():

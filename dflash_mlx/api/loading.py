@@ -128,7 +128,7 @@ def _planner(target: Target, drafter: Optional[DFlashDraftModel], key: str) -> P
             "for the adaptive block size (once per model and machine)",
             style="dim",
         )
-        return measure_costs(target, drafter, long_context=long_context, widest=widest)
+        return measure_costs(target, drafter, long_context=long_context, widest=widest, show_progress=True)
 
     cost = cached_costs(key, measure, cache_dir())
     step_times = StepTimes.stored(step_times_path(key, cache_dir()), basis=cost.seconds, by_context=cost.context_ratio)
