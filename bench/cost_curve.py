@@ -26,7 +26,7 @@ import dflash_mlx  # noqa: F401  (OpenBLAS before mlx)
 
 from dflash_mlx.api import load
 from dflash_mlx.bench.harness import machine
-from dflash_mlx.decode.costs import PROBE_CONTEXT, PROBE_WIDTHS, _verify_timer, least_disturbed, monotone
+from dflash_mlx.decode.costs import PROBE_CONTEXT, PROBE_WIDTHS, verify_timer, least_disturbed, monotone
 from dflash_mlx.kernels.metal import chip_name
 
 ROUNDS, BEFORE = 15, 5
@@ -48,7 +48,7 @@ def shape(seconds: list[float]) -> list[float]:
 def main(measurements: int = 5, busy: bool = False):
     model, _ = load()
     widths = [w for w in PROBE_WIDTHS if w <= model.draft.block_size]
-    _, verify_seconds = _verify_timer(model.target, model.draft.target_layer_ids, PROBE_CONTEXT)
+    _, verify_seconds = verify_timer(model.target, model.draft.target_layer_ids, PROBE_CONTEXT)
     quiet_shape = None
     load_process = multiprocessing.Process(target=bursts, daemon=True) if busy else None
     print(f"{machine()}, {chip_name()}, {date.today()}; `{' '.join(['python', *sys.argv])}`\n")

@@ -404,8 +404,8 @@ def measure_costs(
     long_widths = sorted({w for w in widths if w & (w - 1) == 0 and w.bit_length() % 2 == 1} | {widths[-1]})
     long_widths = long_widths if long_context and long_context > context else []
     layers = draft.target_layer_ids if draft is not None else []
-    features, verify_seconds = _verify_timer(target, layers, context)
-    long_verify_seconds = _verify_timer(target, layers, long_context)[1] if long_widths else None
+    features, verify_seconds = verify_timer(target, layers, context)
+    long_verify_seconds = verify_timer(target, layers, long_context)[1] if long_widths else None
     dcache = None
     draft_widths = sorted({2, draft.block_size}) if draft is not None else []
     if draft is not None:
@@ -468,7 +468,7 @@ def least_disturbed(samples: list[float]) -> float:
     return sorted(samples)[(len(samples) - 1) // 4]
 
 
-def _verify_timer(target, layers: list[int], context: int) -> tuple[mx.array, Callable[[int], float]]:
+def verify_timer(target, layers: list[int], context: int) -> tuple[mx.array, Callable[[int], float]]:
     """A cache prefilled with `context` tokens: the features of its prompt, and the seconds of a
     target pass of width w on top of it (rolled back after, so every pass sees `context` tokens)."""
     tokens = mx.arange(context, dtype=mx.int32)[None] % target.vocab_size
