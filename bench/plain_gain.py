@@ -56,8 +56,14 @@ HELD_OUT = Path(__file__).parents[1] / "data" / "smollm2-135m"
 def verify_bound(cost: CostModel, stats: DecodeStats) -> float:
     """The gain over plain decoding if every cycle cost its target pass and drafter pass as the
     curve times them alone (a plain token: one 1-token pass)."""
-    seconds = sum(cost.cycle(width, drafted=source == "dflash") for width, source in zip(stats.widths, stats.sources))
+    seconds = sum(curve_charge(cost, width, drafter) for width, drafter in zip(stats.widths, stats.drafter_widths))
     return sum(stats.accepted_lengths) * cost.verify(1) / seconds
+
+
+def curve_charge(cost: CostModel, width: int, drafter_width: int) -> float:
+    """What the curve charges a greedy cycle: its target pass, and its drafter's pass at the width
+    it drafted at (wider than the verify where a cut narrowed it; 1: none)."""
+    return cost.verify(width) + (cost.drafter_pass(drafter_width) if drafter_width > 1 else 0.0)
 
 
 def prompts_of(args, tokenizer) -> list[tuple[str, list[int]]]:
@@ -155,14 +161,14 @@ def print_verify_bound(model, measured: list) -> None:
 
 def print_step_costs(cost: CostModel, measured: list[DecodeStats]) -> None:
     """Each kind of cycle's wall time (median over every prompt's cycles of that kind) beside what
-    the curve charges it: its target pass and, drafted, the drafter's pass at its verify's width
-    (a verify cut narrower drafted wider).  What lies beyond the curve is the loop's own work (a
-    plain step queued behind the one before runs beside it: it can take less)."""
+    the curve charges it (`curve_charge`: its target pass and, drafted, the drafter's pass at the
+    width it drafted at).  What lies beyond the curve is the loop's own work (a plain step queued
+    behind the one before runs beside it: it can take less)."""
     kinds: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for stats in measured:
-        for width, source, seconds in zip(stats.widths, stats.sources, stats.cycle_seconds):
-            curve = cost.cycle(width, drafted=source == "dflash")
-            kinds.setdefault(cycle_class(source, width), []).append((seconds, curve))
+        cycles = zip(stats.widths, stats.drafter_widths, stats.sources, stats.cycle_seconds)
+        for width, drafter_width, source, seconds in cycles:
+            kinds.setdefault(cycle_class(source, width), []).append((seconds, curve_charge(cost, width, drafter_width)))
     print("\n| cycle | widths | cycles | ms a cycle (median) | the curve's | beyond it |\n|---|---|---|---|---|---|")
     for (proposer, widths), cycles in sorted(kinds.items()):
         wall, curve = median(s for s, _ in cycles), median(c for _, c in cycles)

@@ -286,6 +286,23 @@ def test_verifies_cut_after_their_drafts_are_read_are_lossless(model_type):
     assert sampled.cut_widths
 
 
+def test_a_cut_verify_is_recorded_with_the_width_it_drafted_at():
+    """A cycle's statistics keep its drafter pass's width beside its verify's (the benchmarks
+    charge each cycle the drafter pass it paid): wider where the verify was cut, 1 where none ran."""
+    target = tiny_target("llama", seed=2)
+    oracle, _ = oracle_for(target, PROMPTS, 24)
+    decoder = Decoder(DFlashModel(target, oracle), max_batch=1, learning=Learning(Cutting(cost_model(0.1), 6, seed=1)))
+    stats = [DecodeStats() for _ in PROMPTS]
+    for prompt, s in zip(PROMPTS, stats):
+        decoder.add(Request(list(prompt), 24, SamplingParams()), stats=s)
+    widths_until_done(decoder)
+    cycles = [c for s in stats for c in zip(s.widths, s.sources, s.drafter_widths)]
+    assert all(len(s.drafter_widths) == s.cycles for s in stats)
+    assert all(d == 1 for w, source, d in cycles if source != "dflash")
+    assert all(d >= w for w, source, d in cycles if source == "dflash")
+    assert any(d > w for w, source, d in cycles if source == "dflash")  # cut
+
+
 def test_the_planner_cuts_drafted_verifies_on_a_steep_curve_and_stays_lossless():
     """The planner itself, on a compute-bound curve: it reads the drafts of its drafting steps,
     learns what their confidence says, and the outputs are the plain ones."""
@@ -319,11 +336,13 @@ def test_rows_keep_different_lengths_in_one_step():
 
 def test_a_dropped_cycle_takes_its_time_with_it():
     """A last cycle that committed none of the answer (an EOS first) is not counted, nor its time."""
-    stats = DecodeStats(accepted_lengths=[2, 3], widths=[4, 4], sources=["dflash"] * 2, cycle_seconds=[0.1, 0.2])
+    stats = DecodeStats(
+        accepted_lengths=[2, 3], widths=[4, 4], sources=["dflash"] * 2, drafter_widths=[8, 4], cycle_seconds=[0.1, 0.2]
+    )
     stats.keep_of_last_cycle(2)
     assert stats.accepted_lengths == [2, 2] and stats.cycle_seconds == [0.1, 0.2]
     stats.keep_of_last_cycle(0)
-    assert stats.cycles == 1 and stats.cycle_seconds == [0.1]
+    assert stats.cycles == 1 and stats.cycle_seconds == [0.1] and stats.drafter_widths == [8]
 
 
 def test_rows_join_and_leave_mid_decode(monkeypatch):

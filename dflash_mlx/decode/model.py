@@ -43,6 +43,7 @@ class DecodeStats:
     accepted_lengths: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # verify width of each cycle (1 = plain)
     sources: list[str] = field(default_factory=list)  # what proposed each cycle: plain, dflash, lookup or suffix
+    drafter_widths: list[int] = field(default_factory=list)  # its drafter pass's width (1: none; cut: wider)
     prompt_seconds: float = 0.0  # until the first token is out
     decode_seconds: float = 0.0  # after it
     cycle_seconds: list[float] = field(default_factory=list)  # each cycle's wall time (its step's)
@@ -67,7 +68,7 @@ class DecodeStats:
         if kept:
             self.accepted_lengths[-1] = kept
         else:
-            for per_cycle in (self.accepted_lengths, self.widths, self.sources):
+            for per_cycle in (self.accepted_lengths, self.widths, self.sources, self.drafter_widths):
                 per_cycle.pop()
             del self.cycle_seconds[self.cycles :]  # the dropped cycle's time, where it was kept
 

@@ -371,6 +371,7 @@ class Row:
             self.stats.accepted_lengths.append(len(committed))
             self.stats.widths.append(plan.width)
             self.stats.sources.append(plan.source)
+            self.stats.drafter_widths.append(plan.drafter_width)
         logprobs = self.request.logprobs
         return Step(
             committed, accepted, None if logprobs is None else token_logprobs(logits, committed, logprobs), self.spent
