@@ -464,9 +464,10 @@ def test_the_acceptance_histogram_counts_only_the_answers_tokens(tiny_dirs):
         stats.accepted_lengths.append(len(block))
         stats.widths.append(16)
         stats.sources.append("dflash")
+        stats.drafter_widths.append(16)
         block[eos_at] = eos
         last = responses.push(Step(block, len(block) - 1))
         assert last.finish_reason == "stop" and last.generation_tokens == 1 + eos_at
         assert last.acceptance_histogram == histogram
         assert 1 + sum(k * n for k, n in enumerate(last.acceptance_histogram, start=1)) == last.generation_tokens
-        assert stats.cycles == len(stats.widths) == len(stats.sources)
+        assert stats.cycles == len(stats.widths) == len(stats.sources) == len(stats.drafter_widths)
