@@ -276,9 +276,10 @@ class StepTimes:
 
     def _typical(self, seen, rows: int, width: int, span: int) -> float:
         """The lower median of a shape's ratios (stalls only add time), the curve's (moved to the
-        context class `span`) among them while they are few.  For plain steps, of the means of consecutive pairs: a pipelined plain
-        step's pass runs beside the step before, and which of the two the wait lands in varies
-        (traced: 2.0 and 0.14 in turn), so one step says little and two say what a step costs."""
+        context class `span`) among them while they are few.  For plain steps, of the means of
+        consecutive pairs: a pipelined plain step's pass runs beside the step before, and which of
+        the two the wait lands in varies (traced: 2.0 and 0.14 in turn), so one step says little
+        and two say what a step costs."""
         seen = list(seen)
         if len(seen) < FEW_STEPS:
             seen.append(self.by_context(rows * width, span))
@@ -393,10 +394,10 @@ def measure_costs(
     Every probe is timed round-robin, `repeats` times, so a burst of other load hits them all
     alike; each is judged by its least disturbed runs (`least_disturbed`), fitted to a
     non-decreasing curve (a wider pass is never cheaper).  The curve is kept for good, so it must
-    survive a busy moment: traced with a bursty load on one of two cores, the medians of 5 rounds
-    made widths 4-16 cost the same in 1 measurement of 5 (and widths 2-4 in another), which would
-    have the planner verify 16 tokens for the price of 4; the lower quartiles of 15 stayed within
-    2% of a quiet machine's shape in all 5."""
+    survive a busy moment: with another process loading one core in bursts (`bench/cost_curve.py
+    --busy`), the medians of 5 rounds put some width 2-87% off a quiet machine's shape in six
+    measurements (once a 2-token verify priced as every width up to 8), the lower quartiles of 15
+    of the same timings 3-4%."""
     widest = widest or (max(draft.block_size, 2) if draft is not None else 1)
     widths = [w for w in widths if w <= widest]
     # powers of four and the widest: the long curve is interpolated between them, and each of
