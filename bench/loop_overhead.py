@@ -48,7 +48,7 @@ from dflash_mlx.kernels.metal import chip_name
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.target.wrapper import Target
 
-VOCAB, HIDDEN, LAYERS, BLOCK = 512, 64, 6, 16
+VOCAB, HIDDEN, LAYERS, DRAFT_LAYERS, BLOCK = 512, 64, 6, 2, 16
 CONFIG = dict(
     model_type="qwen3",
     hidden_size=HIDDEN,
@@ -77,7 +77,7 @@ def tiny_drafter(target: Target) -> DFlashDraftModel:
     mx.random.seed(1)
     args = DraftArgs(
         hidden_size=HIDDEN,
-        num_hidden_layers=2,
+        num_hidden_layers=DRAFT_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,

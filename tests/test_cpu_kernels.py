@@ -147,6 +147,16 @@ def test_the_library_is_kept_per_machine_mlx_nanobind_and_python(tmp_path, monke
     assert "-march=native" in cpu_kernels.build_command(path) or sys.platform == "darwin"
 
 
+def test_cxxflags_come_after_ours_and_keep_a_build_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.delenv("CXXFLAGS", raising=False)
+    native = cpu_kernels.library_path()
+    monkeypatch.setenv("CXXFLAGS", "-march=x86-64-v3 -g")
+    command = cpu_kernels.build_command(cpu_kernels.library_path())
+    assert cpu_kernels.library_path() != native
+    assert command.index("-march=x86-64-v3") > command.index("-O3") and "-g" in command
+
+
 def test_attention_uses_the_kernel_where_it_is_built(softmax, monkeypatch):
     calls = []
     monkeypatch.setattr(

@@ -8,8 +8,9 @@
 
 A kernel is an MLX primitive (lazy, on MLX's streams, as any op; with its gradient), bound with
 nanobind into MLX's own nanobind domain so that it takes and returns mx.arrays.  It is built
-once per machine (g++ -O3 -march=native, against the installed MLX, nanobind and Python: ~10 s)
-into the cache, and loaded from there: at the first model load, or ahead (scripts/setup.sh).
+once per machine (g++ -O3 -march=native, against the installed MLX, nanobind and Python: ~10 s;
+$CXX and $CXXFLAGS as make takes them, the flags after ours) into the cache, and loaded from
+there: at the first model load, or ahead (scripts/setup.sh).
 Where it cannot be built or loaded, one warning says why and how to fix it, and attention keeps
 its MLX form.
 """
@@ -79,9 +80,15 @@ def library_path() -> Path:
         sys.version.encode(),
         platform.machine().encode(),
         _machine().encode(),
+        *([extra_flags().encode()] if extra_flags() else []),  # the default build keeps its key
     ):
         key.update(part + b"\0")
     return cache_dir() / "cpu-kernels" / key.hexdigest()[:16] / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+def extra_flags() -> str:
+    """$CXXFLAGS: flags after ours, so that they win (-march=x86-64-v3 for code valgrind runs)."""
+    return os.environ.get("CXXFLAGS", "").strip()
 
 
 def build_command(output: Path) -> list[str]:
@@ -97,6 +104,7 @@ def build_command(output: Path) -> list[str]:
         "-shared",
         "-fvisibility=hidden",
         "-DNDEBUG",
+        *shlex.split(extra_flags()),
         f"-DNB_DOMAIN={NANOBIND_DOMAIN}",
         f"-I{nanobind.include_dir()}",
         f"-I{nanobind_root / 'ext' / 'robin_map' / 'include'}",
