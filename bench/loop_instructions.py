@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # loop_overhead, imported where it is used (it loads MLX)
+
 KERNEL_THREAD = "StreamThread::thread_fn"  # MLX's CPU stream: every kernel runs under it
 
 
@@ -29,7 +31,6 @@ def run_inside(context: int, width: int, cycles: int) -> None:
     import resource
 
     resource.setrlimit = lambda *args: None  # mlx-lm raises the open-files limit, which valgrind keeps
-    sys.path.insert(0, str(Path(__file__).parent))
     from itertools import islice
 
     import loop_overhead as lo
@@ -112,7 +113,6 @@ def main():
             f"{(total - kernels) / base[0]:.2f}x | {kernels / base[1]:.2f}x |",
             flush=True,
         )
-    sys.path.insert(0, str(Path(__file__).parent))
     from loop_overhead import DRAFT_LAYERS, LAYERS
 
     print(

@@ -72,6 +72,7 @@ def _toolchain():
 def library_path() -> Path:
     """Where the kernels built for this machine, MLX, nanobind and Python are kept."""
     nanobind = _toolchain()
+    flags = extra_flags()
     key = hashlib.sha256()
     for part in (
         source().read_bytes(),
@@ -80,7 +81,7 @@ def library_path() -> Path:
         sys.version.encode(),
         platform.machine().encode(),
         _machine().encode(),
-        *([extra_flags().encode()] if extra_flags() else []),  # the default build keeps its key
+        *([flags.encode()] if flags else []),  # the default build keeps its key
     ):
         key.update(part + b"\0")
     return cache_dir() / "cpu-kernels" / key.hexdigest()[:16] / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
